@@ -1,0 +1,31 @@
+# The two commands of the README: `make demo` and `make test`. Both set up everything they
+# need (virtual environment, Python packages including torch 2.13.0, redis-server).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.kvsp-installed
+SRC    := src tests benchmarks
+
+.PHONY: setup system-deps demo test lint unit
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[all]'
+	touch $(STAMP)
+
+system-deps:
+	@command -v redis-server >/dev/null 2>&1 || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+
+setup: $(STAMP) system-deps
+
+demo: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/core-walkthrough.sh
+
+lint: setup
+	$(VENV)/bin/ruff check $(SRC)
+	$(VENV)/bin/ruff format --check $(SRC)
+	$(VENV)/bin/mypy
+
+test: lint
+	$(VENV)/bin/pytest

@@ -1,0 +1,200 @@
+"""Who may do what: principals, bearer tokens, and the one ``authorize`` every service calls.
+
+Every service reads the same principals file (TOML, ``--auth FILE``)::
+
+    [principals.holder-1]
+    token_sha256 = "<hex SHA-256 of the token>"   # tokens are never stored in clear
+    roles = ["holder"]                              # holder | instance | controller | client | admin
+    holders = ["http://127.0.0.1:9101/kvsp/"]       # holder URLs it may publish for ("*": any)
+    scopes = ["<hex16 scope id>"]                   # or ["*"] for every scope
+
+An unknown or missing token is ``Unauthenticated`` (401); a known principal acting outside its
+roles, scopes or holders is ``Forbidden`` (403). ``admin`` passes every role check but is still
+bound by its scopes and holders. Without a principals file a service runs in development mode:
+it binds to loopback and treats every request as an all-powerful development principal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from kvsp.core.ids import HEX16_PATTERN
+from kvsp.core.problems import ConfigurationError, Forbidden, Unauthenticated
+
+__all__ = [
+    "ANY",
+    "DEVELOPMENT",
+    "Principal",
+    "Principals",
+    "Role",
+    "authorize",
+    "canonical_url",
+    "token_sha256",
+]
+
+ANY = "*"
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_SCOPE = re.compile(HEX16_PATTERN)
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+class Role(StrEnum):
+    HOLDER = "holder"
+    INSTANCE = "instance"
+    CONTROLLER = "controller"
+    CLIENT = "client"
+    ADMIN = "admin"
+
+
+def token_sha256(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def canonical_url(url: str) -> str:
+    """One spelling per base URL: lowercase scheme and host, no default port, trailing slash."""
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    if ":" in host:
+        host = f"[{host}]"
+    port = parts.port
+    netloc = host if port is None or port == _DEFAULT_PORTS.get(parts.scheme.lower()) else f"{host}:{port}"
+    path = parts.path if parts.path.endswith("/") else parts.path + "/"
+    return urlunsplit((parts.scheme.lower(), netloc, path, parts.query, ""))
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    name: str
+    roles: frozenset[Role]
+    scopes: frozenset[str]
+    holders: frozenset[str]
+
+    def has_role(self, role: Role) -> bool:
+        return Role.ADMIN in self.roles or role in self.roles
+
+    def may_access_scope(self, scope_id: str) -> bool:
+        return ANY in self.scopes or scope_id in self.scopes
+
+    def may_act_for(self, holder: str) -> bool:
+        return ANY in self.holders or canonical_url(holder) in self.holders
+
+
+DEVELOPMENT = Principal(
+    name="development",
+    roles=frozenset(Role),
+    scopes=frozenset({ANY}),
+    holders=frozenset({ANY}),
+)
+
+
+def authorize(
+    principal: Principal,
+    roles: Role | Iterable[Role],
+    scope: str | None = None,
+    holder: str | None = None,
+) -> None:
+    """Raise ``Forbidden`` unless ``principal`` has one of ``roles`` and, where given, access
+    to ``scope`` (hex16 Scope ID) and the right to act for ``holder``."""
+    wanted = (roles,) if isinstance(roles, Role) else tuple(roles)
+    if not any(principal.has_role(r) for r in wanted):
+        names = " or ".join(r.value for r in wanted)
+        raise Forbidden(f"principal {principal.name!r} lacks the role {names}")
+    if scope is not None and not principal.may_access_scope(scope):
+        raise Forbidden(f"principal {principal.name!r} is not authorized for scope {scope}")
+    if holder is not None and not principal.may_act_for(holder):
+        raise Forbidden(f"principal {principal.name!r} may not act for holder {holder}")
+
+
+def _strings(entry: Mapping[str, Any], key: str, name: str) -> list[str]:
+    value = entry.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigurationError(f"principal {name!r}: {key} must be a list of strings")
+    return value
+
+
+def _principal(name: str, entry: Any) -> tuple[str, Principal]:
+    if not isinstance(entry, dict):
+        raise ConfigurationError(f"principal {name!r} must be a table")
+    unknown = set(entry) - {"token_sha256", "roles", "holders", "scopes"}
+    if unknown:
+        raise ConfigurationError(f"principal {name!r}: unknown keys {', '.join(sorted(unknown))}")
+    digest = entry.get("token_sha256")
+    if not isinstance(digest, str) or _HEX64.fullmatch(digest) is None:
+        raise ConfigurationError(f"principal {name!r}: token_sha256 must be 64 lowercase hex digits")
+    try:
+        roles = frozenset(Role(r) for r in _strings(entry, "roles", name))
+    except ValueError as exc:
+        raise ConfigurationError(f"principal {name!r}: {exc}") from None
+    if not roles:
+        raise ConfigurationError(f"principal {name!r} needs at least one role")
+    scopes = _strings(entry, "scopes", name)
+    for scope in scopes:
+        if scope != ANY and _SCOPE.fullmatch(scope) is None:
+            raise ConfigurationError(f"principal {name!r}: scope {scope!r} is not a hex16 Scope ID")
+    holders = []
+    for holder in _strings(entry, "holders", name):
+        if holder != ANY and urlsplit(holder).scheme not in ("http", "https", "moqt"):
+            raise ConfigurationError(f"principal {name!r}: holder {holder!r} is not a URL")
+        holders.append(holder if holder == ANY else canonical_url(holder))
+    return digest, Principal(name, roles, frozenset(scopes), frozenset(holders))
+
+
+class Principals:
+    """The principals of a deployment, indexed by token hash."""
+
+    def __init__(self, by_token_hash: Mapping[str, Principal], development: bool = False) -> None:
+        self._by_hash = dict(by_token_hash)
+        self.development = development
+
+    @classmethod
+    def development_mode(cls) -> Principals:
+        return cls({}, development=True)
+
+    @classmethod
+    def parse(cls, text: str) -> Principals:
+        try:
+            doc = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigurationError(f"principals file is not TOML: {exc}") from None
+        table = doc.get("principals")
+        if not isinstance(table, dict) or not table:
+            raise ConfigurationError("principals file needs a non-empty [principals] table")
+        by_hash: dict[str, Principal] = {}
+        for name, entry in table.items():
+            digest, principal = _principal(name, entry)
+            if digest in by_hash:
+                raise ConfigurationError(
+                    f"principals {by_hash[digest].name!r} and {name!r} share a token"
+                )
+            by_hash[digest] = principal
+        return cls(by_hash)
+
+    @classmethod
+    def load(cls, path: Path | str) -> Principals:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigurationError(f"cannot read principals file {path}: {exc.strerror}") from None
+        return cls.parse(text)
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        """The principal for an ``Authorization`` header value, or ``Unauthenticated``."""
+        if self.development:
+            return DEVELOPMENT
+        if not authorization:
+            raise Unauthenticated("missing bearer token")
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthenticated("expected 'Authorization: Bearer <token>'")
+        principal = self._by_hash.get(token_sha256(token.strip()))
+        if principal is None:
+            raise Unauthenticated("unknown token")
+        return principal

@@ -1,0 +1,213 @@
+"""The ``kvsp`` command line: thin calls into the package, stable for scripts.
+
+Invalid input to any subcommand prints one line on stderr naming what is wrong and exits with
+status 2, whether click rejected the arguments or kvsp rejected the data.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+# typer vendors click; its exceptions are only reachable here (pinned typer range).
+from typer._click.exceptions import ClickException, NoArgsIsHelpError
+
+from kvsp.core.compat import CompatibilityDescriptor
+from kvsp.core.container import Container
+from kvsp.core.ids import parse_block_key, parse_compat_id
+from kvsp.core.keys import ROOT_PARENT, block_keys, scope_id
+from kvsp.core.problems import InvalidInput, KvspError
+from kvsp.core.registries import CODEC_RAW
+
+__all__ = ["app", "main"]
+
+USAGE_ERROR = 2
+
+app = typer.Typer(
+    name="kvsp",
+    help="KV Cache Storage Protocol tools and services.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+container_app = typer.Typer(
+    help="Build and inspect KV Block Containers (KVB1).", no_args_is_help=True
+)
+app.add_typer(container_app, name="container")
+
+
+def _read_bytes(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise InvalidInput(f"cannot read {what} {path}: {exc.strerror}") from None
+
+
+def _hex_octets(text: str, what: str) -> bytes:
+    if re.fullmatch(r"(?:[0-9a-fA-F]{2})+", text) is None:
+        raise InvalidInput(f"{what} must be an even number of hex digits")
+    return bytes.fromhex(text)
+
+
+def _parse_tokens(text: str, source: str) -> list[int]:
+    stripped = text.strip()
+    if stripped.startswith("["):
+        try:
+            values: Any = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise InvalidInput(f"{source}: not a JSON array of integers: {exc}") from None
+        if not isinstance(values, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in values
+        ):
+            raise InvalidInput(f"{source}: not a JSON array of integers")
+        return values
+    tokens = []
+    for item in re.split(r"[\s,]+", stripped) if stripped else []:
+        if re.fullmatch(r"[0-9]+", item) is None:
+            raise InvalidInput(f"{source}: {item!r} is not a non-negative integer token id")
+        tokens.append(int(item))
+    return tokens
+
+
+def _descriptor(path: Path | None) -> CompatibilityDescriptor | None:
+    return None if path is None else CompatibilityDescriptor.parse(_read_bytes(path, "descriptor"))
+
+
+@app.command("compat-id")
+def compat_id_command(
+    descriptor: Annotated[Path, typer.Argument(help="Compatibility Descriptor (JSON)")],
+) -> None:
+    """Print the Compatibility ID (hex32) of a descriptor."""
+    parsed = CompatibilityDescriptor.parse(_read_bytes(descriptor, "descriptor"))
+    typer.echo(parsed.compat_id().hex())
+
+
+@app.command("scope-id")
+def scope_id_command(
+    scope_key: Annotated[str, typer.Option("--scope-key", help="scope key, hex (>= 32 octets)")],
+) -> None:
+    """Print the Scope ID (hex16) of a scope key."""
+    typer.echo(scope_id(_hex_octets(scope_key, "--scope-key")).hex())
+
+
+@app.command("block-keys")
+def block_keys_command(
+    scope_key: Annotated[str, typer.Option("--scope-key", help="scope key, hex")],
+    compat_id: Annotated[str, typer.Option("--compat-id", help="Compatibility ID, hex32")],
+    block_tokens: Annotated[int, typer.Option("--block-tokens", min=1, help="block size B")],
+    tokens: Annotated[
+        str | None, typer.Option("--tokens", help="comma-separated token ids")
+    ] = None,
+    tokens_file: Annotated[
+        Path | None,
+        typer.Option("--tokens-file", help="token ids: JSON array, or separated by commas/space"),
+    ] = None,
+    parent: Annotated[
+        str | None,
+        typer.Option("--parent", help="last Block Key of a shared-scope prefix to chain on"),
+    ] = None,
+) -> None:
+    """Print one Block Key (hex32) per complete block, in prefix order."""
+    if (tokens is None) == (tokens_file is None):
+        raise InvalidInput("give exactly one of --tokens and --tokens-file")
+    ids = (
+        _parse_tokens(tokens, "--tokens")
+        if tokens is not None
+        else _parse_tokens(_read_bytes(tokens_file, "tokens file").decode("utf-8", "replace"),
+                           str(tokens_file))  # type: ignore[arg-type]
+    )
+    keys = block_keys(
+        _hex_octets(scope_key, "--scope-key"),
+        parse_compat_id(compat_id),
+        ids,
+        block_tokens,
+        parse_block_key(parent) if parent is not None else ROOT_PARENT,
+    )
+    sys.stdout.write("".join(k.hex() + "\n" for k in keys))
+
+
+@container_app.command("build")
+def container_build_command(
+    first_layer: Annotated[int, typer.Option("--first-layer", min=0)],
+    token_count: Annotated[int, typer.Option("--token-count", min=1)],
+    out: Annotated[Path, typer.Option("--out", help="container file to write")],
+    sections: Annotated[list[Path], typer.Argument(help="K/V section files: K0 V0 [K1 V1 ...]")],
+    codec: Annotated[int, typer.Option("--codec")] = CODEC_RAW,
+    descriptor: Annotated[
+        Path | None, typer.Option("--descriptor", help="check section sizes against this descriptor")
+    ] = None,
+) -> None:
+    """Write a KVB1 container from per-layer K and V section files."""
+    if not sections or len(sections) % 2:
+        raise InvalidInput("sections come in K V pairs, one pair per layer")
+    data = [_read_bytes(p, "section") for p in sections]
+    parsed = _descriptor(descriptor)
+    built = Container.build(
+        first_layer,
+        token_count,
+        list(zip(data[0::2], data[1::2], strict=True)),
+        codec=codec,
+        geometry=parsed.geometry if parsed else None,
+    )
+    try:
+        with out.open("wb") as f:
+            f.writelines(built.parts)
+    except OSError as exc:
+        raise InvalidInput(f"cannot write {out}: {exc.strerror}") from None
+
+
+@container_app.command("inspect")
+def container_inspect_command(
+    file: Annotated[Path, typer.Argument(help="container file")],
+    descriptor: Annotated[
+        Path | None, typer.Option("--descriptor", help="check section sizes against this descriptor")
+    ] = None,
+) -> None:
+    """Validate a container and print its header, layer digests and replica digest as JSON."""
+    parsed = _descriptor(descriptor)
+    container = Container.parse(
+        _read_bytes(file, "container"), parsed.geometry if parsed else None
+    )
+    header = container.header
+    digests = container.layer_digests()
+    doc = {
+        "version": 1,
+        "flags": 0,
+        "codec": header.codec,
+        "first_layer": header.first_layer,
+        "layer_count": header.layer_count,
+        "token_count": header.token_count,
+        "layers": [
+            {"layer": layer.layer, "k_length": len(layer.k), "v_length": len(layer.v), "digest": d.hex()}
+            for layer, d in zip(container.layers, digests, strict=True)
+        ],
+        "digest": container.digest().hex(),
+    }
+    typer.echo(json.dumps(doc, indent=2))
+
+
+def _fail(message: str) -> NoReturn:
+    sys.stderr.write(f"kvsp: error: {' '.join(message.split())}\n")
+    raise SystemExit(USAGE_ERROR)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``kvsp`` console script."""
+    try:
+        code = app(args=argv, prog_name="kvsp", standalone_mode=False)
+    except NoArgsIsHelpError as exc:
+        sys.stderr.write(exc.ctx.get_help() + "\n" if exc.ctx else "")
+        raise SystemExit(USAGE_ERROR) from None
+    except ClickException as exc:
+        _fail(exc.format_message())
+    except KvspError as exc:
+        _fail(exc.detail)
+    except typer.Abort:
+        raise SystemExit(130) from None
+    raise SystemExit(code if isinstance(code, int) else 0)

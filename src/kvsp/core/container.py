@@ -1,0 +1,515 @@
+"""The KV Block Container, KVB1 (KVSP 4.3): encode, validate, parse incrementally, slice.
+
+Design points:
+
+- Data is copied at most once. ``Container.build`` writes every section straight into one
+  pre-sized buffer (hashing the source while it is hot); ``Container.parse`` and the incremental
+  ``ContainerParser`` hand out memoryviews into the received octets; ``Container.slice`` returns
+  a new header plus one view of the contiguous layer range, so serving ``?layers=a-b`` copies
+  nothing.
+- Layers are in ascending order, so ``ContainerParser`` yields each layer as soon as its octets
+  have arrived and a receiver can start using layer ``l`` while later layers are in flight.
+- Untrusted input can only ever raise a ``ContainerError`` subclass (or ``DigestError`` when
+  expected digests are given). Sizes announced by a header are checked against a limit before
+  any buffer is allocated, so a hostile header cannot pin memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from kvsp.core.compat import Geometry
+from kvsp.core.problems import (
+    ContainerError,
+    ContainerHeaderError,
+    ContainerLengthError,
+    ContainerTrailingDataError,
+    ContainerTruncatedError,
+    DigestError,
+    LayerRangeError,
+)
+from kvsp.core.registries import CODECS, CODEC_RAW, ElementType
+
+__all__ = [
+    "DEFAULT_MAX_CONTAINER_OCTETS",
+    "FIXED_HEADER_OCTETS",
+    "MAGIC",
+    "VERSION",
+    "Container",
+    "ContainerHeader",
+    "ContainerParser",
+    "LayerSections",
+    "Section",
+    "layer_digest",
+    "replica_digest",
+    "section_array",
+    "section_octets",
+]
+
+MAGIC = b"KVB1"
+VERSION = 1
+_FIXED = struct.Struct(">4sBBHIII")
+FIXED_HEADER_OCTETS = _FIXED.size
+_ENTRY_OCTETS = 16
+_U32_MAX = 0xFFFFFFFF
+#: numpy byte-order marks that already mean little-endian octets on this machine.
+_LITTLE_ORDERS = "<|=" if sys.byteorder == "little" else "<|"
+#: Largest container a parser accepts unless told otherwise (a 2 MiB block is typical).
+DEFAULT_MAX_CONTAINER_OCTETS = 1 << 30
+
+Section: TypeAlias = bytes | bytearray | memoryview | npt.NDArray[np.generic]
+
+
+def layer_digest(k: bytes | memoryview, v: bytes | memoryview) -> bytes:
+    """SHA-256 of a layer's K section followed by its V section."""
+    h = hashlib.sha256(k)
+    h.update(v)
+    return h.digest()
+
+
+def replica_digest(layer_digests: Sequence[bytes]) -> bytes:
+    """SHA-256 of the concatenated layer digests of all layers, ascending."""
+    return hashlib.sha256(b"".join(layer_digests)).digest()
+
+
+def section_octets(section: Section) -> memoryview:
+    """A section as flat octets without copying: a buffer as is, or an array in kvsp-layout-1.
+
+    Arrays must be shaped [tokens, kv_heads, head_dim]; they are viewed in little-endian,
+    C order (token index slowest), which copies only if the array is not already so.
+    """
+    if isinstance(section, np.ndarray):
+        view = section.data
+        if view.ndim != 3:
+            raise ContainerLengthError(
+                f"a section array must be [tokens, kv_heads, head_dim], got shape {section.shape}"
+            )
+        if not view.c_contiguous or section.dtype.byteorder not in _LITTLE_ORDERS:
+            view = np.ascontiguousarray(section, dtype=section.dtype.newbyteorder("<")).data
+        return view.cast("B")
+    view = memoryview(section)
+    if not view.c_contiguous:
+        raise ContainerLengthError("a section buffer must be contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def section_array(
+    section: bytes | bytearray | memoryview, element: ElementType, kv_heads: int, head_dim: int
+) -> npt.NDArray[np.generic]:
+    """A zero-copy [tokens, kv_heads, head_dim] view of a kvsp-layout-1 section.
+
+    The dtype is the element type's little-endian storage dtype (raw 16/8-bit integers for
+    bfloat16 and float8, which numpy cannot interpret).
+    """
+    per_token = kv_heads * head_dim * element.size
+    if len(section) % per_token:
+        raise ContainerLengthError(
+            f"section of {len(section)} octets is not a whole number of tokens of {per_token}"
+        )
+    flat = np.frombuffer(section, dtype=np.dtype(element.storage_dtype))
+    return flat.reshape(-1, kv_heads, head_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerHeader:
+    """A validated KVB1 header (version 1, flags 0): codec, layers and section lengths."""
+
+    codec: int
+    first_layer: int
+    token_count: int
+    lengths: tuple[tuple[int, int], ...]
+
+    @property
+    def layer_count(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def last_layer(self) -> int:
+        return self.first_layer + len(self.lengths) - 1
+
+    @property
+    def header_octets(self) -> int:
+        return FIXED_HEADER_OCTETS + _ENTRY_OCTETS * len(self.lengths)
+
+    @property
+    def data_octets(self) -> int:
+        return sum(k + v for k, v in self.lengths)
+
+    @property
+    def total_octets(self) -> int:
+        return self.header_octets + self.data_octets
+
+    def encode(self) -> bytes:
+        fixed = _FIXED.pack(
+            MAGIC, VERSION, 0, self.codec, self.first_layer, len(self.lengths), self.token_count
+        )
+        flat = [n for pair in self.lengths for n in pair]
+        return fixed + struct.pack(f">{len(flat)}Q", *flat)
+
+    def check(self, geometry: Geometry | None = None) -> None:
+        """Consistency of counts and lengths; with a geometry, exact raw section sizes."""
+        if self.codec not in CODECS:
+            raise ContainerHeaderError(f"codec {self.codec:#06x} is not registered")
+        if not self.lengths:
+            raise ContainerHeaderError("layer count must be at least 1")
+        if self.token_count < 1:
+            raise ContainerHeaderError("token count must be at least 1")
+        if self.first_layer + len(self.lengths) - 1 > _U32_MAX:
+            raise ContainerHeaderError("layer range exceeds 2^32-1")
+        if geometry is not None and self.last_layer >= geometry.layers:
+            raise ContainerHeaderError(
+                f"layers {self.first_layer}-{self.last_layer} outside the model's "
+                f"{geometry.layers} layers"
+            )
+        if self.codec != CODEC_RAW:
+            return
+        expected = None if geometry is None else geometry.section_bytes(self.token_count)
+        first = self.lengths[0][0]
+        for i, (k, v) in enumerate(self.lengths):
+            layer = self.first_layer + i
+            if expected is not None and (k != expected or v != expected):
+                raise ContainerLengthError(
+                    f"layer {layer}: raw sections must be {expected} octets "
+                    f"(token_count x kv_heads x head_dim x element size), got K={k} V={v}"
+                )
+            if k != v or k != first:
+                raise ContainerLengthError(
+                    f"layer {layer}: raw K and V sections must all be equal, got K={k} V={v} "
+                    f"(layer {self.first_layer} has {first})"
+                )
+            if k % self.token_count:
+                raise ContainerLengthError(
+                    f"layer {layer}: {k} octets is not a whole number of {self.token_count} tokens"
+                )
+
+    def sliced(self, first: int, last: int) -> ContainerHeader:
+        if not (self.first_layer <= first <= last <= self.last_layer):
+            raise LayerRangeError(
+                f"layers {first}-{last} are not within {self.first_layer}-{self.last_layer}"
+            )
+        lo = first - self.first_layer
+        return ContainerHeader(
+            self.codec, first, self.token_count, self.lengths[lo : lo + last - first + 1]
+        )
+
+    def offset_of(self, layer: int) -> int:
+        """Octet offset of ``layer``'s K section within the container."""
+        pos = self.header_octets
+        for k, v in self.lengths[: layer - self.first_layer]:
+            pos += k + v
+        return pos
+
+
+def _read_header(data: memoryview, max_octets: int) -> ContainerHeader | None:
+    """Parse a header from the start of ``data``; None while more octets are needed."""
+    if len(data) < FIXED_HEADER_OCTETS:
+        if bytes(data[: len(MAGIC)]) != MAGIC[: min(len(data), len(MAGIC))]:
+            raise ContainerHeaderError("bad magic: not a KVB1 container")
+        return None
+    magic, version, flags, codec, first_layer, layer_count, token_count = _FIXED.unpack_from(data)
+    if magic != MAGIC:
+        raise ContainerHeaderError("bad magic: not a KVB1 container")
+    if version != VERSION:
+        raise ContainerHeaderError(f"unsupported container version {version}")
+    if flags != 0:
+        raise ContainerHeaderError(f"reserved flags must be zero, got {flags:#04x}")
+    header_octets = FIXED_HEADER_OCTETS + _ENTRY_OCTETS * layer_count
+    if header_octets > max_octets:
+        raise ContainerLengthError(
+            f"{layer_count} layers need a {header_octets}-octet header, above the "
+            f"{max_octets}-octet limit"
+        )
+    if len(data) < header_octets:
+        return None
+    flat = struct.unpack_from(f">{2 * layer_count}Q", data, FIXED_HEADER_OCTETS)
+    lengths = tuple(zip(flat[0::2], flat[1::2], strict=True))
+    header = ContainerHeader(codec, first_layer, token_count, lengths)
+    if header.total_octets > max_octets:
+        raise ContainerLengthError(
+            f"container announces {header.total_octets} octets, above the {max_octets}-octet limit"
+        )
+    return header
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSections:
+    """One layer of a container: zero-copy views of its K and V sections."""
+
+    layer: int
+    k: memoryview
+    v: memoryview
+
+    def digest(self) -> bytes:
+        return layer_digest(self.k, self.v)
+
+
+def _layers(
+    header: ContainerHeader, buffer: memoryview, start: int, stop: int
+) -> list[LayerSections]:
+    """Views of the layers at positions ``start``..``stop-1`` of the container."""
+    out = []
+    pos = header.offset_of(header.first_layer + start)
+    for i in range(start, stop):
+        k, v = header.lengths[i]
+        out.append(
+            LayerSections(header.first_layer + i, buffer[pos : pos + k], buffer[pos + k : pos + k + v])
+        )
+        pos += k + v
+    return out
+
+
+def _check_layer(layer: LayerSections, expected: Sequence[bytes] | None) -> bytes:
+    got = layer.digest()
+    if expected is not None:
+        if layer.layer >= len(expected):
+            raise DigestError(f"no expected digest for layer {layer.layer}")
+        if got != expected[layer.layer]:
+            raise DigestError(f"layer {layer.layer}: digest does not match the replica record")
+    return got
+
+
+class Container:
+    """A validated KVB1 container: its header and zero-copy views of every layer.
+
+    The representation is ``parts``: the encoded header followed by data buffers, to be written
+    in order. A parsed container views the received octets (one data part); a built container
+    views the caller's sections (two parts per layer) and copies nothing, so the one copy of
+    the data happens where it must (a socket, a file, ``tobytes``). A built container stays
+    valid only while the caller leaves its section memory unchanged.
+    """
+
+    __slots__ = ("_data", "_digests", "_header_octets", "header", "layers")
+
+    def __init__(
+        self,
+        header: ContainerHeader,
+        header_octets: bytes | memoryview,
+        data: Sequence[memoryview],
+        layers: Sequence[LayerSections],
+        digests: Sequence[bytes] | None = None,
+    ) -> None:
+        self.header = header
+        self._header_octets = header_octets
+        self._data = tuple(data)
+        self.layers = tuple(layers)
+        self._digests = None if digests is None else tuple(digests)
+
+    @classmethod
+    def _over(
+        cls, header: ContainerHeader, buffer: memoryview, digests: Sequence[bytes] | None = None
+    ) -> Container:
+        """A container whose whole representation is the contiguous ``buffer``."""
+        return cls(
+            header,
+            buffer[: header.header_octets],
+            (buffer[header.header_octets :],),
+            _layers(header, buffer, 0, header.layer_count),
+            digests,
+        )
+
+    @classmethod
+    def parse(
+        cls,
+        data: bytes | bytearray | memoryview,
+        geometry: Geometry | None = None,
+        max_octets: int = DEFAULT_MAX_CONTAINER_OCTETS,
+    ) -> Container:
+        """Validate a whole container held in memory; the layers view ``data``."""
+        try:
+            view = memoryview(data).cast("B")
+        except TypeError as exc:
+            raise ContainerError(f"container must be a contiguous octet buffer: {exc}") from None
+        header = _read_header(view, max_octets)
+        if header is None:
+            raise ContainerTruncatedError(f"{len(view)} octets is shorter than the header")
+        header.check(geometry)
+        if len(view) < header.total_octets:
+            raise ContainerTruncatedError(
+                f"container announces {header.total_octets} octets, got {len(view)}"
+            )
+        if len(view) > header.total_octets:
+            raise ContainerTrailingDataError(
+                f"{len(view) - header.total_octets} octets after the last section"
+            )
+        return cls._over(header, view)
+
+    @classmethod
+    def build(
+        cls,
+        first_layer: int,
+        token_count: int,
+        sections: Sequence[tuple[Section, Section]],
+        codec: int = CODEC_RAW,
+        geometry: Geometry | None = None,
+    ) -> Container:
+        """Encode per-layer (K, V) sections, computing every layer digest; copies no data."""
+        if not 0 <= first_layer <= _U32_MAX or not 0 <= token_count <= _U32_MAX:
+            raise ContainerHeaderError("first layer and token count must fit in 32 bits")
+        views = [(section_octets(k), section_octets(v)) for k, v in sections]
+        sha256 = hashlib.sha256
+        digests = []
+        for k, v in views:
+            h = sha256(k)
+            h.update(v)
+            digests.append(h.digest())
+        header = ContainerHeader(
+            codec, first_layer, token_count, tuple((len(k), len(v)) for k, v in views)
+        )
+        header.check(geometry)
+        layers = [LayerSections(first_layer + i, k, v) for i, (k, v) in enumerate(views)]
+        data = [part for pair in views for part in pair]
+        return cls(header, header.encode(), data, layers, digests)
+
+    @property
+    def parts(self) -> tuple[bytes | memoryview, ...]:
+        """The representation as buffers to write in order (no copy)."""
+        return (self._header_octets, *self._data)
+
+    @property
+    def size(self) -> int:
+        return self.header.total_octets
+
+    def tobytes(self) -> bytes:
+        """The representation as one ``bytes`` (the one copy of the data)."""
+        return b"".join(self.parts)
+
+    def sha256(self) -> bytes:
+        """SHA-256 of the representation, for ``Repr-Digest``."""
+        h = hashlib.sha256()
+        for part in self.parts:
+            h.update(part)
+        return h.digest()
+
+    def layer_digests(self) -> tuple[bytes, ...]:
+        if self._digests is None:
+            self._digests = tuple(layer.digest() for layer in self.layers)
+        return self._digests
+
+    def digest(self) -> bytes:
+        """The replica digest; equals the record's ``digest`` only for a full-layer container."""
+        return replica_digest(self.layer_digests())
+
+    def verify(self, layer_digests: Sequence[bytes], replica: bytes | None = None) -> None:
+        """Check every layer against the record's per-layer digests (indexed by layer number)
+        and, when given, that list against the record's replica digest."""
+        if replica is not None and replica_digest(layer_digests) != replica:
+            raise DigestError("layer digests do not match the replica digest")
+        self._digests = tuple(_check_layer(layer, layer_digests) for layer in self.layers)
+
+    def slice(self, first: int, last: int) -> Container:
+        """Layers ``first``..``last`` (inclusive, absolute numbers) as a container that views
+        this one's data: a new header and no copy."""
+        sub = self.header.sliced(first, last)
+        lo = first - self.header.first_layer
+        hi = lo + sub.layer_count
+        layers = self.layers[lo:hi]
+        digests = None if self._digests is None else self._digests[lo:hi]
+        if len(self._data) == 1:
+            start = self.header.offset_of(first) - self.header.header_octets
+            data: list[memoryview] = [self._data[0][start : start + sub.data_octets]]
+        else:
+            data = [part for layer in layers for part in (layer.k, layer.v)]
+        return Container(sub, sub.encode(), data, layers, digests)
+
+
+class ContainerParser:
+    """Incremental parser: feed chunks of any size, get each layer once its octets are in.
+
+    The buffer for the whole container is allocated once, when the header has arrived and its
+    announced size is within ``max_octets``; layers returned by ``feed`` view that buffer.
+    With ``expected_digests`` (the record's layer digests, indexed by layer number) each layer
+    is verified as it completes, before it is returned.
+    """
+
+    __slots__ = (
+        "_buffer",
+        "_emitted",
+        "_ends",
+        "_expected",
+        "_filled",
+        "_geometry",
+        "_head",
+        "_max",
+        "_view",
+        "digests",
+        "header",
+    )
+
+    def __init__(
+        self,
+        geometry: Geometry | None = None,
+        max_octets: int = DEFAULT_MAX_CONTAINER_OCTETS,
+        expected_digests: Sequence[bytes] | None = None,
+    ) -> None:
+        self._geometry = geometry
+        self._max = max_octets
+        self._expected = expected_digests
+        self._head = bytearray()
+        self._buffer: bytearray | None = None
+        self._view = memoryview(b"")
+        self._filled = 0
+        self._emitted = 0
+        self._ends: list[int] = []
+        self.header: ContainerHeader | None = None
+        self.digests: list[bytes] = []
+
+    @property
+    def complete(self) -> bool:
+        return self.header is not None and self._filled == self.header.total_octets
+
+    def feed(self, chunk: bytes | bytearray | memoryview) -> list[LayerSections]:
+        data = memoryview(chunk).cast("B")
+        if self.header is not None:
+            return self._take(self.header, data)
+        self._head += data
+        header = _read_header(memoryview(self._head), self._max)
+        if header is None:
+            return []
+        header.check(self._geometry)
+        self._start(header)
+        head, self._head = self._head, bytearray()
+        return self._take(header, memoryview(head))
+
+    def _start(self, header: ContainerHeader) -> None:
+        self.header = header
+        self._buffer = bytearray(header.total_octets)
+        self._view = memoryview(self._buffer)
+        pos = header.header_octets
+        for k, v in header.lengths:
+            pos += k + v
+            self._ends.append(pos)
+
+    def _take(self, header: ContainerHeader, data: memoryview) -> list[LayerSections]:
+        room = header.total_octets - self._filled
+        if len(data) > room:
+            raise ContainerTrailingDataError(
+                f"{len(data) - room} octets after the last section"
+            )
+        self._view[self._filled : self._filled + len(data)] = data
+        self._filled += len(data)
+        ready = self._emitted
+        while ready < len(self._ends) and self._ends[ready] <= self._filled:
+            ready += 1
+        if ready == self._emitted:
+            return []
+        layers = _layers(header, self._view, self._emitted, ready)
+        for layer in layers:
+            self.digests.append(_check_layer(layer, self._expected))
+        self._emitted = ready
+        return layers
+
+    def finish(self) -> Container:
+        """The whole container; raises if octets are missing."""
+        if self.header is None or not self.complete:
+            got = self._filled if self.header is not None else len(self._head)
+            want = "a full header" if self.header is None else f"{self.header.total_octets} octets"
+            raise ContainerTruncatedError(f"container ended after {got} octets, expected {want}")
+        return Container._over(self.header, self._view, self.digests)

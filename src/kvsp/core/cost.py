@@ -1,0 +1,154 @@
+"""Placement estimates of KVSP 6.4 as pure functions over records.
+
+Units: rates in Mbit/s (1 Mbit/s moves one bit per microsecond, so ``8 * octets / mbit_per_s``
+is microseconds), times in microseconds, sizes in octets.
+
+``plan_fetch`` turns a lookup answer into the time to make the matched prefix resident at one
+instance: blocks the instance already holds cost nothing; every other block goes to the source
+that finishes it earliest given what that source already carries (list scheduling), and the
+estimate is the latest finishing source, ``max_s (rtt_us(i,s) + 8 * bytes_from(s) / rate)``.
+A source's rate is the instance's link rate to it, reduced for each layer range to the tier's
+``read_mbit_per_s``. A block no reachable source holds ends the usable prefix: Block Keys are
+chained, so nothing after it can be used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvsp.core.container import FIXED_HEADER_OCTETS
+from kvsp.core.records import InstanceStatusRecord, Link, ReplicaRecord
+
+__all__ = [
+    "CostBreakdown",
+    "FetchPlan",
+    "estimate_cost",
+    "placement_cost",
+    "plan_fetch",
+    "recompute_us",
+    "transfer_us",
+    "wait_us",
+]
+
+
+def recompute_us(tokens: int, prefill_tokens_per_s: float) -> float:
+    """``1e6 * tokens / prefill_tokens_per_s``."""
+    return 1e6 * tokens / prefill_tokens_per_s
+
+
+def wait_us(queued: int, mean_service_us: float) -> float:
+    """``queued(i) * mean service time at i``."""
+    return queued * mean_service_us
+
+
+def placement_cost(
+    wait: float, fetch: float, recompute_unmatched: float, recompute_all: float
+) -> float:
+    """``wait + min(fetch + recompute_of_unmatched, recompute_of_all)``."""
+    return wait + min(fetch + recompute_unmatched, recompute_all)
+
+
+def _layer_count(record: ReplicaRecord) -> int:
+    if record.layer_digests is not None:
+        return len(record.layer_digests)
+    return max(r.layers[1] for r in record.residency) + 1
+
+
+def transfer_us(record: ReplicaRecord, link: Link) -> float:
+    """Time to move every layer of ``record`` over ``link``, each residency range at
+    ``min(link rate, tier read rate)``; excludes the round trip."""
+    layers = _layer_count(record)
+    per_layer = max(record.size - FIXED_HEADER_OCTETS - 16 * layers, 0) / layers
+    total = 0.0
+    for entry in record.residency:
+        rate = link.mbit_per_s
+        if entry.read_mbit_per_s is not None:
+            rate = min(rate, entry.read_mbit_per_s)
+        total += 8 * per_layer * (entry.layers[1] - entry.layers[0] + 1) / rate
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class FetchPlan:
+    """How the matched prefix would become resident at one instance."""
+
+    fetch_us: float
+    usable_blocks: int
+    resident_blocks: int
+    sources: dict[str, list[int]] = field(default_factory=dict)
+    octets_from: dict[str, int] = field(default_factory=dict)
+
+
+def plan_fetch(
+    target: InstanceStatusRecord, matched: Sequence[Sequence[ReplicaRecord]]
+) -> FetchPlan:
+    """Assign each matched block to a source reachable from ``target`` (see module doc)."""
+    finish: dict[str, float] = {}
+    sources: dict[str, list[int]] = {}
+    octets: dict[str, int] = {}
+    resident = 0
+    usable = 0
+    for index, records in enumerate(matched):
+        if any(r.holder == target.instance for r in records):
+            resident += 1
+            usable += 1
+            continue
+        best: tuple[float, str, ReplicaRecord] | None = None
+        for record in records:
+            link = target.link_to(record.holder)
+            if link is None or not record.holds_layers(0, _layer_count(record) - 1):
+                continue
+            done = finish.get(record.holder, float(link.rtt_us)) + transfer_us(record, link)
+            if best is None or (done, record.holder) < (best[0], best[1]):
+                best = (done, record.holder, record)
+        if best is None:
+            break
+        done, holder, record = best
+        finish[holder] = done
+        sources.setdefault(holder, []).append(index)
+        octets[holder] = octets.get(holder, 0) + record.size
+        usable += 1
+    return FetchPlan(max(finish.values(), default=0.0), usable, resident, sources, octets)
+
+
+@dataclass(frozen=True, slots=True)
+class CostBreakdown:
+    """Every term of ``cost(i)`` for one candidate, for decisions that explain themselves."""
+
+    instance: str
+    wait_us: float
+    fetch_us: float
+    reused_tokens: int
+    recompute_unmatched_us: float
+    recompute_all_us: float
+    cost_us: float
+
+    @property
+    def uses_cache(self) -> bool:
+        return self.fetch_us + self.recompute_unmatched_us < self.recompute_all_us
+
+
+def estimate_cost(
+    target: InstanceStatusRecord,
+    matched: Sequence[Sequence[ReplicaRecord]],
+    block_tokens: int,
+    prompt_tokens: int,
+    mean_service_us: float,
+) -> CostBreakdown:
+    """``cost(i)`` of serving a ``prompt_tokens`` prompt at ``target`` given a lookup answer."""
+    plan = plan_fetch(target, matched)
+    reused = min(plan.usable_blocks * block_tokens, prompt_tokens)
+    rate = target.prefill_tokens_per_s
+    unmatched = recompute_us(prompt_tokens - reused, rate)
+    everything = recompute_us(prompt_tokens, rate)
+    wait = wait_us(target.queued, mean_service_us)
+    return CostBreakdown(
+        instance=target.instance,
+        wait_us=wait,
+        fetch_us=plan.fetch_us,
+        reused_tokens=reused,
+        recompute_unmatched_us=unmatched,
+        recompute_all_us=everything,
+        cost_us=placement_cost(wait, plan.fetch_us, unmatched, everything),
+    )

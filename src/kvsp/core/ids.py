@@ -1,0 +1,53 @@
+"""Typed identities: raw octets inside kvsp, lowercase hex on the wire.
+
+Block Keys, Compatibility IDs and Scope IDs are hashes. Keeping them as ``bytes`` internally
+makes the key chain and the indexes cheap (no hex round trip per block); the ``NewType``s stop a
+Scope ID from being passed where a Block Key is expected. ``hex32``/``hex16`` strings are what
+records, URLs and the CLI carry.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NewType
+
+from kvsp.core.problems import KeyMaterialError
+
+__all__ = [
+    "HEX16_PATTERN",
+    "HEX32_PATTERN",
+    "BlockKey",
+    "CompatId",
+    "ScopeId",
+    "parse_block_key",
+    "parse_compat_id",
+    "parse_scope_id",
+]
+
+BlockKey = NewType("BlockKey", bytes)
+CompatId = NewType("CompatId", bytes)
+ScopeId = NewType("ScopeId", bytes)
+
+HEX32_PATTERN = r"^[0-9a-f]{64}$"
+HEX16_PATTERN = r"^[0-9a-f]{32}$"
+_HEX = {32: re.compile(HEX32_PATTERN), 16: re.compile(HEX16_PATTERN)}
+
+
+def _parse_hex(text: str, octets: int, what: str) -> bytes:
+    if not isinstance(text, str) or _HEX[octets].fullmatch(text) is None:
+        raise KeyMaterialError(
+            f"{what} must be {octets * 2} lowercase hex digits, got {text!r:.80}"
+        )
+    return bytes.fromhex(text)
+
+
+def parse_block_key(text: str) -> BlockKey:
+    return BlockKey(_parse_hex(text, 32, "block key"))
+
+
+def parse_compat_id(text: str) -> CompatId:
+    return CompatId(_parse_hex(text, 32, "compat id"))
+
+
+def parse_scope_id(text: str) -> ScopeId:
+    return ScopeId(_parse_hex(text, 16, "scope id"))

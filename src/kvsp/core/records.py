@@ -1,0 +1,523 @@
+"""Every KVSP record and request body, defined once (KVSP 4.4, 6.x).
+
+Servers, clients, the simulator and the CLI all use these models. Unknown members are ignored
+(KVSP 4.4 requires it: a newer peer may add members), but every known member is strictly typed:
+a JSON string is never coerced into a number, nor a float into an integer. Invariants the spec
+states (inclusive, non-overlapping residency; contiguous half-open shard ranges; the replica
+digest covering the layer digests) are checked here, so no state machine ever holds an
+inconsistent record. Validation failures raise ``RecordError`` through ``Record.parse``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+import uuid
+from collections.abc import Iterable
+from enum import StrEnum
+from typing import Annotated, Any, Literal, Self
+from urllib.parse import urlsplit
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from kvsp.core.compat import DIGEST_PATTERN, format_validation_error
+from kvsp.core.container import replica_digest
+from kvsp.core.ids import HEX16_PATTERN, HEX32_PATTERN
+from kvsp.core.problems import RecordError
+from kvsp.core.registries import CODECS, Tier
+
+__all__ = [
+    "MAX_KEYS_PER_REQUEST",
+    "MOQT_NAMESPACE_FIELDS",
+    "FetchRange",
+    "Hex16",
+    "Hex32",
+    "InstanceState",
+    "InstanceStatusRecord",
+    "LeaseGrant",
+    "LeaseRenewal",
+    "LeaseRequest",
+    "Link",
+    "LookupRequest",
+    "LookupResponse",
+    "PrefetchBlock",
+    "PrefetchDirective",
+    "PrefetchState",
+    "PrefetchStatus",
+    "Record",
+    "ReplicaBatch",
+    "ReplicaRecord",
+    "ReplicaRef",
+    "ReshardAbort",
+    "ReshardCommit",
+    "ReshardPlan",
+    "Residency",
+    "Sampler",
+    "SessionCheckpoint",
+    "Shard",
+    "ShardMap",
+    "StateAnswer",
+    "StateChange",
+    "TargetEstimate",
+    "TokenRange",
+    "decode_moqt_namespace",
+]
+
+#: Bound on keys in one request body, so no client can make a service hold unbounded lists.
+MAX_KEYS_PER_REQUEST = 65_536
+MOQT_NAMESPACE_FIELDS = 5
+_MAX_URL = 2048
+_U32_MAX = 0xFFFFFFFF
+_U64_MAX = (1 << 64) - 1
+_B64URL = re.compile(r"[A-Za-z0-9_-]*")
+
+Hex32 = Annotated[StrictStr, Field(pattern=HEX32_PATTERN)]
+Hex16 = Annotated[StrictStr, Field(pattern=HEX16_PATTERN)]
+Digest = Annotated[StrictStr, Field(pattern=DIGEST_PATTERN)]
+NonNegInt = Annotated[StrictInt, Field(ge=0)]
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=_U32_MAX)]
+Rate = Annotated[StrictFloat | StrictInt, Field(gt=0, allow_inf_nan=False)]
+NonNegNumber = Annotated[StrictFloat | StrictInt, Field(ge=0, allow_inf_nan=False)]
+
+
+def _http_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an http(s) URL with a host")
+    return value
+
+
+def _uuid(value: str) -> str:
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise ValueError("must be a UUID") from None
+
+
+HttpUrl = Annotated[StrictStr, Field(max_length=_MAX_URL), AfterValidator(_http_url)]
+Uuid = Annotated[StrictStr, Field(max_length=64), AfterValidator(_uuid)]
+
+
+def decode_moqt_namespace(value: str) -> tuple[bytes, ...]:
+    """The five Track Namespace Fields of a ``moqt_namespace`` (base64url, no padding, each
+    field preceded by its one-octet length; fields are non-empty). Raises ValueError."""
+    if _B64URL.fullmatch(value) is None:
+        raise ValueError("moqt_namespace must be base64url without padding")
+    try:
+        raw = base64.urlsafe_b64decode(value + "=" * (-len(value) % 4))
+    except (binascii.Error, ValueError):
+        raise ValueError("moqt_namespace is not valid base64url") from None
+    if base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii") != value:
+        raise ValueError("moqt_namespace is not canonical base64url")
+    fields = []
+    pos = 0
+    while pos < len(raw):
+        length = raw[pos]
+        if length == 0 or pos + 1 + length > len(raw):
+            raise ValueError(f"moqt_namespace field {len(fields)} has a bad length")
+        fields.append(raw[pos + 1 : pos + 1 + length])
+        pos += 1 + length
+    if len(fields) != MOQT_NAMESPACE_FIELDS:
+        raise ValueError(f"moqt_namespace must hold {MOQT_NAMESPACE_FIELDS} fields, got {len(fields)}")
+    return tuple(fields)
+
+
+def _non_overlapping(ranges: Iterable[tuple[int, int]], what: str, half_open: bool) -> None:
+    """Ranges may come in any order but must not share a token or layer."""
+    previous_end: int | None = None
+    for start, end in sorted(ranges):
+        if previous_end is not None and (start < previous_end if half_open else start <= previous_end):
+            raise ValueError(f"{what} ranges overlap")
+        previous_end = end
+
+
+class Record(BaseModel):
+    """Base of every record: unknown members ignored, instances immutable."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+
+    @classmethod
+    def parse(cls, data: str | bytes | dict[str, Any]) -> Self:
+        """Validate JSON text or a decoded object; any failure is a ``RecordError``."""
+        try:
+            if isinstance(data, dict):
+                return cls.model_validate(data)
+            return cls.model_validate_json(data)
+        except ValidationError as exc:
+            raise RecordError(
+                f"invalid {cls.__name__}: {format_validation_error(exc)}"
+            ) from None
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise RecordError(f"invalid {cls.__name__}: {exc}") from None
+
+    def to_json(self) -> dict[str, Any]:
+        """The wire form: optional members that are unset are absent."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class Residency(Record):
+    tier: Tier
+    layers: tuple[NonNegInt, NonNegInt]
+    read_mbit_per_s: Rate | None = None
+
+    @field_validator("layers")
+    @classmethod
+    def _ordered(cls, value: tuple[int, int]) -> tuple[int, int]:
+        if value[0] > value[1]:
+            raise ValueError("layer range must be [first, last] with first <= last")
+        return value
+
+
+class ReplicaRecord(Record):
+    block_key: Hex32
+    compat_id: Hex32
+    scope_id: Hex16
+    holder: Annotated[StrictStr, Field(max_length=_MAX_URL)]
+    codec: StrictInt
+    size: PositiveInt
+    digest: Digest
+    layer_digests: Annotated[tuple[Hex32, ...], Field(min_length=1, max_length=65_535)] | None = None
+    residency: Annotated[tuple[Residency, ...], Field(min_length=1, max_length=64)]
+    ttl_ms: PositiveInt
+    moqt_namespace: Annotated[StrictStr, Field(max_length=2048)] | None = None
+
+    @field_validator("codec")
+    @classmethod
+    def _known_codec(cls, value: int) -> int:
+        if value not in CODECS:
+            raise ValueError(f"codec {value} is not registered")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        scheme = urlsplit(self.holder).scheme
+        if scheme == "moqt":
+            if self.moqt_namespace is None:
+                raise ValueError("a moqt holder needs moqt_namespace")
+            decode_moqt_namespace(self.moqt_namespace)
+            if not urlsplit(self.holder).hostname:
+                raise ValueError("holder must name a host")
+        elif scheme in ("http", "https"):
+            _http_url(self.holder)
+            if self.moqt_namespace is not None:
+                raise ValueError("moqt_namespace is only for moqt holders")
+        else:
+            raise ValueError("holder must be an http(s) URL or a moqt URI")
+        _non_overlapping((r.layers for r in self.residency), "residency", half_open=False)
+        if self.layer_digests is not None:
+            self.check_layers(len(self.layer_digests))
+            expected = replica_digest([bytes.fromhex(d) for d in self.layer_digests])
+            if self.digest != "sha-256:" + expected.hex():
+                raise ValueError("digest is not the SHA-256 of the concatenated layer digests")
+        return self
+
+    def check_layers(self, layers: int) -> None:
+        """Residency must lie within the block's ``layers`` layers (0..layers-1)."""
+        for entry in self.residency:
+            if entry.layers[1] >= layers:
+                raise ValueError(
+                    f"residency {entry.layers[0]}-{entry.layers[1]} outside the block's {layers} layers"
+                )
+
+    @property
+    def digest_octets(self) -> bytes:
+        return bytes.fromhex(self.digest.removeprefix("sha-256:"))
+
+    def layer_digest_octets(self) -> list[bytes]:
+        return [bytes.fromhex(d) for d in self.layer_digests or ()]
+
+    def holds_layers(self, first: int, last: int) -> bool:
+        """Whether every layer of ``first..last`` is resident in some tier."""
+        covered = first
+        for lo, hi in sorted(r.layers for r in self.residency):
+            if lo > covered:
+                break
+            covered = max(covered, hi + 1)
+        return covered > last
+
+
+class ReplicaRef(Record):
+    """Names one replica for withdrawal: the block resource and its holder."""
+
+    compat_id: Hex32
+    scope_id: Hex16
+    block_key: Hex32
+    holder: Annotated[StrictStr, Field(max_length=_MAX_URL)]
+
+
+class ReplicaBatch(Record):
+    """``POST replicas``: publish and withdraw many records in one request."""
+
+    put: Annotated[tuple[ReplicaRecord, ...], Field(max_length=4096)] = ()
+    delete: Annotated[tuple[ReplicaRef, ...], Field(max_length=4096)] = ()
+
+
+class InstanceState(StrEnum):
+    ACTIVE = "active"
+    DRAINING = "draining"
+    SLEEPING = "sleeping"
+    FAILED = "failed"
+
+
+class Link(Record):
+    holder: Annotated[StrictStr, Field(max_length=_MAX_URL)]
+    mbit_per_s: Rate
+    rtt_us: NonNegNumber
+
+
+class InstanceStatusRecord(Record):
+    instance: HttpUrl
+    epoch: NonNegInt
+    state: InstanceState
+    running: NonNegInt
+    queued: NonNegInt
+    batch_size: NonNegInt
+    kv_utilization: Annotated[StrictFloat | StrictInt, Field(ge=0, le=1)]
+    prefill_tokens_per_s: Rate
+    decode_tokens_per_s: Rate
+    links: Annotated[tuple[Link, ...], Field(max_length=1024)] = ()
+    requested_state: Literal[InstanceState.SLEEPING] | None = None
+    ttl_ms: PositiveInt
+
+    @field_validator("links")
+    @classmethod
+    def _one_link_per_holder(cls, value: tuple[Link, ...]) -> tuple[Link, ...]:
+        if len({link.holder for link in value}) != len(value):
+            raise ValueError("at most one link per holder")
+        return value
+
+    def link_to(self, holder: str) -> Link | None:
+        for link in self.links:
+            if link.holder == holder:
+                return link
+        return None
+
+
+_SAMPLER_PARAMS: dict[str, frozenset[str]] = {
+    "greedy": frozenset(),
+    "temperature": frozenset({"temperature"}),
+    "top-k": frozenset({"k", "temperature"}),
+    "top-p": frozenset({"p", "temperature"}),
+}
+
+
+class Sampler(Record):
+    method: Literal["greedy", "temperature", "top-k", "top-p"]
+    params: dict[StrictStr, StrictFloat | StrictInt] = Field(default_factory=dict)
+    seed: Annotated[StrictInt, Field(ge=0, le=_U64_MAX)] = 0
+    step: NonNegInt = 0
+    deterministic: StrictBool = False
+
+    @model_validator(mode="after")
+    def _params_fit_method(self) -> Self:
+        allowed = _SAMPLER_PARAMS[self.method]
+        unknown = set(self.params) - allowed
+        if unknown:
+            raise ValueError(f"{self.method} takes no parameter {', '.join(sorted(unknown))}")
+        required = allowed - {"temperature"} if self.method != "temperature" else allowed
+        missing = required - set(self.params)
+        if missing:
+            raise ValueError(f"{self.method} needs {', '.join(sorted(missing))}")
+        p = self.params
+        if "temperature" in p and not p["temperature"] > 0:
+            raise ValueError("temperature must be > 0")
+        if "k" in p and (not isinstance(p["k"], int) or p["k"] < 1):
+            raise ValueError("k must be an integer >= 1")
+        if "p" in p and not 0 < p["p"] <= 1:
+            raise ValueError("p must be in (0, 1]")
+        if self.deterministic and self.method != "greedy":
+            raise ValueError("only a greedy sampler can be deterministic across instances")
+        return self
+
+
+class SessionCheckpoint(Record):
+    session: Uuid
+    epoch: NonNegInt
+    compat_id: Hex32
+    scope_id: Hex16
+    prompt_blocks: Annotated[tuple[Hex32, ...], Field(max_length=MAX_KEYS_PER_REQUEST)]
+    prompt_tail: Annotated[tuple[TokenId, ...], Field(max_length=1 << 20)]
+    generated: Annotated[tuple[TokenId, ...], Field(max_length=1 << 20)]
+    output_offset: NonNegInt
+    sampler: Sampler
+
+    @model_validator(mode="after")
+    def _covers_generated(self) -> Self:
+        if self.output_offset != len(self.generated):
+            raise ValueError("output_offset must equal the number of generated tokens")
+        return self
+
+
+TokenRange = tuple[NonNegInt, NonNegInt]
+
+
+def _half_open(value: tuple[int, int]) -> tuple[int, int]:
+    if value[0] >= value[1]:
+        raise ValueError("token range must be [start, end) with start < end")
+    return value
+
+
+HalfOpen = Annotated[TokenRange, AfterValidator(_half_open)]
+
+
+class Shard(Record):
+    tokens: HalfOpen
+    instance: HttpUrl
+
+
+class ShardMap(Record):
+    map: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+    version: NonNegInt
+    shards: Annotated[tuple[Shard, ...], Field(min_length=1, max_length=4096)]
+
+    @field_validator("shards")
+    @classmethod
+    def _contiguous(cls, value: tuple[Shard, ...]) -> tuple[Shard, ...]:
+        if value[0].tokens[0] != 0:
+            raise ValueError("the first shard must start at token 0")
+        for before, after in zip(value, value[1:], strict=False):
+            if before.tokens[1] != after.tokens[0]:
+                raise ValueError(
+                    f"shards must be contiguous and in order: {list(before.tokens)} then "
+                    f"{list(after.tokens)}"
+                )
+        return value
+
+    def ranges_of(self, instance: str) -> list[tuple[int, int]]:
+        return [s.tokens for s in self.shards if s.instance == instance]
+
+
+class FetchRange(Record):
+    tokens: HalfOpen
+    from_: HttpUrl = Field(alias="from")
+
+
+class ReshardPlan(Record):
+    map: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+    from_: NonNegInt = Field(alias="from")
+    to: NonNegInt
+    deadline_ms: PositiveInt
+    retain: Annotated[tuple[HalfOpen, ...], Field(max_length=4096)] = ()
+    fetch: Annotated[tuple[FetchRange, ...], Field(max_length=4096)] = ()
+    release: Annotated[tuple[HalfOpen, ...], Field(max_length=4096)] = ()
+
+    @model_validator(mode="after")
+    def _well_formed(self) -> Self:
+        if self.to != self.from_ + 1:
+            raise ValueError("a reshard plan moves from version v to v+1")
+        _non_overlapping(
+            [*self.retain, *(f.tokens for f in self.fetch)], "retain and fetch", half_open=True
+        )
+        _non_overlapping(self.release, "release", half_open=True)
+        return self
+
+
+class ReshardCommit(Record):
+    map: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+    commit: NonNegInt
+
+
+class ReshardAbort(Record):
+    map: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+    abort: NonNegInt
+
+
+class PrefetchBlock(Record):
+    block_key: Hex32
+    sources: Annotated[tuple[HttpUrl, ...], Field(min_length=1, max_length=64)]
+
+
+class PrefetchDirective(Record):
+    directive: Uuid
+    request_ref: Annotated[StrictStr, Field(max_length=256)] | None = None
+    scope_id: Hex16
+    compat_id: Hex32
+    blocks: Annotated[tuple[PrefetchBlock, ...], Field(min_length=1, max_length=MAX_KEYS_PER_REQUEST)]
+    layer_order: Literal["ascending"] = "ascending"
+    deadline_ms: PositiveInt
+    lease_ms: PositiveInt
+
+    @field_validator("blocks")
+    @classmethod
+    def _distinct(cls, value: tuple[PrefetchBlock, ...]) -> tuple[PrefetchBlock, ...]:
+        if len({b.block_key for b in value}) != len(value):
+            raise ValueError("each block key may appear once")
+        return value
+
+
+class PrefetchState(StrEnum):
+    PENDING = "pending"
+    PARTIAL = "partial"
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
+class PrefetchStatus(Record):
+    directive: Uuid
+    state: PrefetchState
+    loaded: Annotated[tuple[Hex32, ...], Field(max_length=MAX_KEYS_PER_REQUEST)] = ()
+
+
+class LookupRequest(Record):
+    scope_id: Hex16
+    compat_id: Hex32
+    block_keys: Annotated[tuple[Hex32, ...], Field(max_length=MAX_KEYS_PER_REQUEST)]
+    targets: Annotated[tuple[HttpUrl, ...], Field(max_length=256)] | None = None
+
+
+class TargetEstimate(Record):
+    target: HttpUrl
+    fetch_us: NonNegNumber
+    recompute_us: NonNegNumber
+
+
+class LookupResponse(Record):
+    matched: NonNegInt
+    replicas: tuple[tuple[ReplicaRecord, ...], ...] = ()
+    estimates: tuple[TargetEstimate, ...] = ()
+
+    @model_validator(mode="after")
+    def _one_list_per_match(self) -> Self:
+        if len(self.replicas) != self.matched or any(not r for r in self.replicas):
+            raise ValueError("replicas must list at least one record for each matched key")
+        return self
+
+
+class LeaseRequest(Record):
+    compat_id: Hex32
+    scope_id: Hex16
+    block_keys: Annotated[tuple[Hex32, ...], Field(min_length=1, max_length=MAX_KEYS_PER_REQUEST)]
+    ttl_ms: PositiveInt
+
+
+class LeaseGrant(Record):
+    lease: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+    ttl_ms: PositiveInt
+    clipped: StrictBool = False
+
+
+class LeaseRenewal(Record):
+    ttl_ms: PositiveInt
+
+
+class StateChange(Record):
+    state: InstanceState
+
+
+class StateAnswer(Record):
+    state: InstanceState

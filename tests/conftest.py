@@ -1,0 +1,27 @@
+"""Shared fixtures: where the public vectors live, and a fast hypothesis profile."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = Path(os.environ.get("KVSP_SHARED", ROOT.parent / "shared"))
+VECTORS = SHARED / "vectors"
+
+settings.register_profile(
+    "kvsp", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("kvsp")
+
+
+def load_vector(name: str) -> Any:
+    path = VECTORS / name
+    if not path.exists():
+        pytest.fail(f"test vectors missing: {path} (set KVSP_SHARED to the shared/ folder)")
+    return json.loads(path.read_text(encoding="utf-8"))
