@@ -80,7 +80,9 @@ def measure(layers: int, kv_heads: int, head_dim: int, tokens: int) -> dict[str,
 
 def main() -> None:
     results = {name: measure(*shape) for name, shape in SHAPES.items()}
-    ratios = [r[k] for r in results.values() for k in ("encode_digest_ratio", "decode_verify_ratio")]
+    ratios = [
+        r[k] for r in results.values() for k in ("encode_digest_ratio", "decode_verify_ratio")
+    ]
     print(
         json.dumps(
             {

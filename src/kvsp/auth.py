@@ -4,7 +4,7 @@ Every service reads the same principals file (TOML, ``--auth FILE``)::
 
     [principals.holder-1]
     token_sha256 = "<hex SHA-256 of the token>"   # tokens are never stored in clear
-    roles = ["holder"]                              # holder | instance | controller | client | admin
+    roles = ["holder"]                  # holder | instance | controller | client | admin
     holders = ["http://127.0.0.1:9101/kvsp/"]       # holder URLs it may publish for ("*": any)
     scopes = ["<hex16 scope id>"]                   # or ["*"] for every scope
 
@@ -65,7 +65,11 @@ def canonical_url(url: str) -> str:
     if ":" in host:
         host = f"[{host}]"
     port = parts.port
-    netloc = host if port is None or port == _DEFAULT_PORTS.get(parts.scheme.lower()) else f"{host}:{port}"
+    netloc = (
+        host
+        if port is None or port == _DEFAULT_PORTS.get(parts.scheme.lower())
+        else f"{host}:{port}"
+    )
     path = parts.path if parts.path.endswith("/") else parts.path + "/"
     return urlunsplit((parts.scheme.lower(), netloc, path, parts.query, ""))
 
@@ -128,7 +132,9 @@ def _principal(name: str, entry: Any) -> tuple[str, Principal]:
         raise ConfigurationError(f"principal {name!r}: unknown keys {', '.join(sorted(unknown))}")
     digest = entry.get("token_sha256")
     if not isinstance(digest, str) or _HEX64.fullmatch(digest) is None:
-        raise ConfigurationError(f"principal {name!r}: token_sha256 must be 64 lowercase hex digits")
+        raise ConfigurationError(
+            f"principal {name!r}: token_sha256 must be 64 lowercase hex digits"
+        )
     try:
         roles = frozenset(Role(r) for r in _strings(entry, "roles", name))
     except ValueError as exc:
@@ -182,7 +188,9 @@ class Principals:
         try:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
-            raise ConfigurationError(f"cannot read principals file {path}: {exc.strerror}") from None
+            raise ConfigurationError(
+                f"cannot read principals file {path}: {exc.strerror}"
+            ) from None
         return cls.parse(text)
 
     def authenticate(self, authorization: str | None) -> Principal:

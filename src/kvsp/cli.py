@@ -114,14 +114,13 @@ def block_keys_command(
     ] = None,
 ) -> None:
     """Print one Block Key (hex32) per complete block, in prefix order."""
-    if (tokens is None) == (tokens_file is None):
+    if tokens is not None and tokens_file is None:
+        ids = _parse_tokens(tokens, "--tokens")
+    elif tokens_file is not None and tokens is None:
+        text = _read_bytes(tokens_file, "tokens file").decode("utf-8", "replace")
+        ids = _parse_tokens(text, str(tokens_file))
+    else:
         raise InvalidInput("give exactly one of --tokens and --tokens-file")
-    ids = (
-        _parse_tokens(tokens, "--tokens")
-        if tokens is not None
-        else _parse_tokens(_read_bytes(tokens_file, "tokens file").decode("utf-8", "replace"),
-                           str(tokens_file))  # type: ignore[arg-type]
-    )
     keys = block_keys(
         _hex_octets(scope_key, "--scope-key"),
         parse_compat_id(compat_id),
@@ -140,7 +139,8 @@ def container_build_command(
     sections: Annotated[list[Path], typer.Argument(help="K/V section files: K0 V0 [K1 V1 ...]")],
     codec: Annotated[int, typer.Option("--codec")] = CODEC_RAW,
     descriptor: Annotated[
-        Path | None, typer.Option("--descriptor", help="check section sizes against this descriptor")
+        Path | None,
+        typer.Option("--descriptor", help="check section sizes against this descriptor"),
     ] = None,
 ) -> None:
     """Write a KVB1 container from per-layer K and V section files."""
@@ -166,14 +166,13 @@ def container_build_command(
 def container_inspect_command(
     file: Annotated[Path, typer.Argument(help="container file")],
     descriptor: Annotated[
-        Path | None, typer.Option("--descriptor", help="check section sizes against this descriptor")
+        Path | None,
+        typer.Option("--descriptor", help="check section sizes against this descriptor"),
     ] = None,
 ) -> None:
     """Validate a container and print its header, layer digests and replica digest as JSON."""
     parsed = _descriptor(descriptor)
-    container = Container.parse(
-        _read_bytes(file, "container"), parsed.geometry if parsed else None
-    )
+    container = Container.parse(_read_bytes(file, "container"), parsed.geometry if parsed else None)
     header = container.header
     digests = container.layer_digests()
     doc = {
@@ -184,7 +183,12 @@ def container_inspect_command(
         "layer_count": header.layer_count,
         "token_count": header.token_count,
         "layers": [
-            {"layer": layer.layer, "k_length": len(layer.k), "v_length": len(layer.v), "digest": d.hex()}
+            {
+                "layer": layer.layer,
+                "k_length": len(layer.k),
+                "v_length": len(layer.v),
+                "digest": d.hex(),
+            }
             for layer, d in zip(container.layers, digests, strict=True)
         ],
         "digest": container.digest().hex(),

@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import rfc8785
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
 
 from kvsp.core.ids import CompatId
 from kvsp.core.problems import DescriptorError
@@ -103,7 +111,9 @@ class CompatibilityDescriptor(BaseModel):
     @classmethod
     def _known_layout(cls, value: str) -> str:
         if value not in LAYOUTS:
-            raise ValueError(f"layout {value!r} is not registered (known: {', '.join(sorted(LAYOUTS))})")
+            raise ValueError(
+                f"layout {value!r} is not registered (known: {', '.join(sorted(LAYOUTS))})"
+            )
         return value
 
     @classmethod

@@ -36,7 +36,7 @@ from kvsp.core.problems import (
     DigestError,
     LayerRangeError,
 )
-from kvsp.core.registries import CODECS, CODEC_RAW, ElementType
+from kvsp.core.registries import CODEC_RAW, CODECS, ElementType
 
 __all__ = [
     "DEFAULT_MAX_CONTAINER_OCTETS",
@@ -260,7 +260,9 @@ def _layers(
     for i in range(start, stop):
         k, v = header.lengths[i]
         out.append(
-            LayerSections(header.first_layer + i, buffer[pos : pos + k], buffer[pos + k : pos + k + v])
+            LayerSections(
+                header.first_layer + i, buffer[pos : pos + k], buffer[pos + k : pos + k + v]
+            )
         )
         pos += k + v
     return out
@@ -490,9 +492,7 @@ class ContainerParser:
     def _take(self, header: ContainerHeader, data: memoryview) -> list[LayerSections]:
         room = header.total_octets - self._filled
         if len(data) > room:
-            raise ContainerTrailingDataError(
-                f"{len(data) - room} octets after the last section"
-            )
+            raise ContainerTrailingDataError(f"{len(data) - room} octets after the last section")
         self._view[self._filled : self._filled + len(data)] = data
         self._filled += len(data)
         ready = self._emitted

@@ -13,7 +13,8 @@ import base64
 import hashlib
 import hmac
 
-import http_sfv
+from http_sfv.dictionary import Dictionary
+from http_sfv.item import Item
 
 from kvsp.core.problems import DigestError
 
@@ -56,7 +57,7 @@ def _reasons(exc: BaseException) -> str:
 
 def parse_repr_digest(field_value: str) -> bytes:
     """The SHA-256 octets from a ``Repr-Digest`` field value; ``DigestError`` if unusable."""
-    parsed = http_sfv.Dictionary()
+    parsed = Dictionary()
     try:
         parsed.parse(field_value.encode("ascii"))
     except (ValueError, UnicodeEncodeError) as exc:
@@ -66,7 +67,7 @@ def parse_repr_digest(field_value: str) -> bytes:
     member = parsed.get(REQUIRED_ALGORITHM)
     if member is None:
         raise DigestError(f"Repr-Digest has no {REQUIRED_ALGORITHM} member")
-    value = member.value if isinstance(member, http_sfv.Item) else None
+    value = member.value if isinstance(member, Item) else None
     if not isinstance(value, bytes):
         raise DigestError(f"Repr-Digest {REQUIRED_ALGORITHM} value must be a Byte Sequence")
     if len(value) != 32:

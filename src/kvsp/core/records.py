@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import json
 import re
 import uuid
@@ -124,7 +125,7 @@ def decode_moqt_namespace(value: str) -> tuple[bytes, ...]:
         raise ValueError("moqt_namespace is not valid base64url") from None
     if base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii") != value:
         raise ValueError("moqt_namespace is not canonical base64url")
-    fields = []
+    fields: list[bytes] = []
     pos = 0
     while pos < len(raw):
         length = raw[pos]
@@ -133,7 +134,9 @@ def decode_moqt_namespace(value: str) -> tuple[bytes, ...]:
         fields.append(raw[pos + 1 : pos + 1 + length])
         pos += 1 + length
     if len(fields) != MOQT_NAMESPACE_FIELDS:
-        raise ValueError(f"moqt_namespace must hold {MOQT_NAMESPACE_FIELDS} fields, got {len(fields)}")
+        raise ValueError(
+            f"moqt_namespace must hold {MOQT_NAMESPACE_FIELDS} fields, got {len(fields)}"
+        )
     return tuple(fields)
 
 
@@ -141,7 +144,9 @@ def _non_overlapping(ranges: Iterable[tuple[int, int]], what: str, half_open: bo
     """Ranges may come in any order but must not share a token or layer."""
     previous_end: int | None = None
     for start, end in sorted(ranges):
-        if previous_end is not None and (start < previous_end if half_open else start <= previous_end):
+        if previous_end is not None and (
+            start < previous_end if half_open else start <= previous_end
+        ):
             raise ValueError(f"{what} ranges overlap")
         previous_end = end
 
@@ -159,9 +164,7 @@ class Record(BaseModel):
                 return cls.model_validate(data)
             return cls.model_validate_json(data)
         except ValidationError as exc:
-            raise RecordError(
-                f"invalid {cls.__name__}: {format_validation_error(exc)}"
-            ) from None
+            raise RecordError(f"invalid {cls.__name__}: {format_validation_error(exc)}") from None
         except (json.JSONDecodeError, TypeError) as exc:
             raise RecordError(f"invalid {cls.__name__}: {exc}") from None
 
@@ -191,7 +194,9 @@ class ReplicaRecord(Record):
     codec: StrictInt
     size: PositiveInt
     digest: Digest
-    layer_digests: Annotated[tuple[Hex32, ...], Field(min_length=1, max_length=65_535)] | None = None
+    layer_digests: Annotated[tuple[Hex32, ...], Field(min_length=1, max_length=65_535)] | None = (
+        None
+    )
     residency: Annotated[tuple[Residency, ...], Field(min_length=1, max_length=64)]
     ttl_ms: PositiveInt
     moqt_namespace: Annotated[StrictStr, Field(max_length=2048)] | None = None
@@ -230,9 +235,8 @@ class ReplicaRecord(Record):
         """Residency must lie within the block's ``layers`` layers (0..layers-1)."""
         for entry in self.residency:
             if entry.layers[1] >= layers:
-                raise ValueError(
-                    f"residency {entry.layers[0]}-{entry.layers[1]} outside the block's {layers} layers"
-                )
+                first, last = entry.layers
+                raise ValueError(f"residency {first}-{last} outside the block's {layers} layers")
 
     @property
     def digest_octets(self) -> bytes:
@@ -390,7 +394,7 @@ class ShardMap(Record):
     def _contiguous(cls, value: tuple[Shard, ...]) -> tuple[Shard, ...]:
         if value[0].tokens[0] != 0:
             raise ValueError("the first shard must start at token 0")
-        for before, after in zip(value, value[1:], strict=False):
+        for before, after in itertools.pairwise(value):
             if before.tokens[1] != after.tokens[0]:
                 raise ValueError(
                     f"shards must be contiguous and in order: {list(before.tokens)} then "
@@ -447,7 +451,9 @@ class PrefetchDirective(Record):
     request_ref: Annotated[StrictStr, Field(max_length=256)] | None = None
     scope_id: Hex16
     compat_id: Hex32
-    blocks: Annotated[tuple[PrefetchBlock, ...], Field(min_length=1, max_length=MAX_KEYS_PER_REQUEST)]
+    blocks: Annotated[
+        tuple[PrefetchBlock, ...], Field(min_length=1, max_length=MAX_KEYS_PER_REQUEST)
+    ]
     layer_order: Literal["ascending"] = "ascending"
     deadline_ms: PositiveInt
     lease_ms: PositiveInt

@@ -26,11 +26,11 @@ __all__ = [
     "LAYOUT_1",
     "POSITIONAL_ENCODINGS",
     "TIERS",
-    "Tier",
     "Codec",
     "ElementType",
     "ParamKind",
     "PositionalEncoding",
+    "Tier",
     "element_type",
     "parse_positional",
 ]
