@@ -1,16 +1,15 @@
 """Scope IDs and the keyed Block Key chain (KVSP 4.2).
 
 A Block Key names a block together with its whole prefix, and only holders of the scope key can
-compute it. The chain is the hot path of every lookup, so it runs on a keyed HMAC template that
-is copied per block (the key schedule is paid once per chain) and on token octets converted in
-one vectorised step; the per-block Python work is a copy, two updates and a digest.
+compute it. The chain is the hot path of every lookup, so it runs on a keyed HMAC template (the
+key schedule and the domain prefix are absorbed once per chain) and on token octets converted in
+one vectorised step; per block it copies two precomputed SHA-256 states.
 """
 
 from __future__ import annotations
 
 import array
 import hashlib
-import hmac
 import sys
 from collections.abc import Sequence
 
@@ -26,11 +25,11 @@ __all__ = [
     "ROOT_PARENT",
     "SCOPE_DOMAIN",
     "BlockKeyChain",
+    "HmacTemplate",
     "Tokens",
     "block_keys",
-    "hmac_template",
     "scope_id",
-    "tokens_to_octets",
+    "token_octets",
 ]
 
 SCOPE_DOMAIN = b"KVSP-SCOPE-1\x00"
@@ -56,12 +55,37 @@ def _check_scope_key(scope_key: bytes) -> bytes:
     return key
 
 
-def hmac_template(key: bytes, prefix: bytes = b"") -> hmac.HMAC:
-    """A keyed HMAC-SHA-256 state that has absorbed ``prefix``; ``.copy()`` it per message.
+_IPAD = bytes(x ^ 0x36 for x in range(256))
+_OPAD = bytes(x ^ 0x5C for x in range(256))
+_SHA256_BLOCK = 64
 
-    Copying the template skips the key schedule (two compression calls) for every block.
+
+class HmacTemplate:
+    """HMAC-SHA-256 (RFC 2104) with the key schedule and a message prefix absorbed once.
+
+    Built on hashlib's SHA-256 states rather than the ``hmac`` module: copying two C-level
+    hash states per message is cheaper than ``hmac.HMAC.copy()`` and its Python-level
+    methods, and the chain calls it once per block.
     """
-    return hmac.new(key, prefix, hashlib.sha256)
+
+    __slots__ = ("inner", "outer")
+
+    def __init__(self, key: bytes, prefix: bytes = b"") -> None:
+        if len(key) > _SHA256_BLOCK:
+            key = hashlib.sha256(key).digest()
+        padded = key.ljust(_SHA256_BLOCK, b"\x00")
+        self.inner = hashlib.sha256(padded.translate(_IPAD))
+        self.inner.update(prefix)
+        self.outer = hashlib.sha256(padded.translate(_OPAD))
+
+    def digest(self, *parts: bytes | memoryview) -> bytes:
+        """HMAC of ``prefix || parts...``."""
+        inner = self.inner.copy()
+        for part in parts:
+            inner.update(part)
+        outer = self.outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()
 
 
 def scope_id(scope_key: bytes) -> ScopeId:
@@ -70,14 +94,28 @@ def scope_id(scope_key: bytes) -> ScopeId:
     return ScopeId(hashlib.sha256(SCOPE_DOMAIN + key).digest()[:16])
 
 
-def tokens_to_octets(tokens: Tokens) -> bytes:
+def _range_ok(tokens: npt.NDArray[np.integer]) -> bool:
+    """All ids in 0..2^32-1, in one pass: viewed as unsigned of the same width, a negative id
+    becomes larger than any id the signed type can hold, so one ``max`` decides."""
+    if tokens.size == 0:
+        return True
+    bits = tokens.dtype.itemsize * 8
+    signed = tokens.dtype.kind == "i"
+    if not signed and bits <= 32:
+        return True
+    limit = min(0xFFFFFFFF, (1 << (bits - 1)) - 1 if signed else (1 << bits) - 1)
+    unsigned = tokens.view(np.dtype(f"u{tokens.dtype.itemsize}"))
+    return int(unsigned.max()) <= limit
+
+
+def token_octets(tokens: Tokens) -> memoryview:
     """Tokens as uint32 in network byte order; ids outside 0..2^32-1 are an error."""
     if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise KeyMaterialError("tokens must be a one-dimensional integer array")
-        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > 0xFFFFFFFF):
+        if not _range_ok(tokens):
             raise KeyMaterialError("token ids must be in 0..2^32-1")
-        return tokens.astype(">u4", copy=False).tobytes()
+        return memoryview(tokens.astype(">u4")).cast("B")
     if isinstance(tokens, str | bytes | bytearray | memoryview):
         raise KeyMaterialError("tokens must be a sequence of integers")
     try:
@@ -90,15 +128,14 @@ def tokens_to_octets(tokens: Tokens) -> bytes:
         raise RuntimeError("array('I') is not 32-bit on this platform")
     if sys.byteorder == "little":
         packed.byteswap()
-    return packed.tobytes()
+    return memoryview(packed).cast("B")
 
 
-def _split(octets: bytes, step: int, count: int) -> list[bytes] | list[memoryview]:
+def _split(octets: memoryview, step: int, count: int) -> list[bytes] | list[memoryview]:
     if step <= _VIEW_SPLIT_MAX_OCTETS:
         chunks: list[bytes] = np.frombuffer(octets, dtype=f"V{step}", count=count).tolist()
         return chunks
-    view = memoryview(octets)
-    return [view[o : o + step] for o in range(0, count * step, step)]
+    return [octets[o : o + step] for o in range(0, count * step, step)]
 
 
 class BlockKeyChain:
@@ -125,7 +162,7 @@ class BlockKeyChain:
             raise KeyMaterialError("parent block key must be 32 octets")
         if not isinstance(block_tokens, int) or block_tokens < 1:
             raise KeyMaterialError("block_tokens must be a positive integer")
-        self._template = hmac_template(key, BLOCK_DOMAIN + bytes(compat_id))
+        self._template = HmacTemplate(key, BLOCK_DOMAIN + bytes(compat_id))
         self._block_octets = 4 * block_tokens
         self._last: bytes = bytes(parent)
         self._pending = b""
@@ -143,21 +180,27 @@ class BlockKeyChain:
 
     def extend(self, tokens: Tokens) -> list[BlockKey]:
         """Append tokens; return the keys of the blocks they complete."""
-        octets = self._pending + tokens_to_octets(tokens)
+        octets = token_octets(tokens)
+        if self._pending:
+            octets = memoryview(self._pending + octets)
         step = self._block_octets
         count = len(octets) // step
-        self._pending = octets[count * step :]
+        self._pending = octets[count * step :].tobytes()
         if count == 0:
             return []
-        copy = self._template.copy
+        # HmacTemplate.digest inlined: this loop is the hot path of every lookup.
+        inner_copy = self._template.inner.copy
+        outer_copy = self._template.outer.copy
         prev = self._last
         out: list[BlockKey] = []
         append = out.append
         for chunk in _split(octets, step, count):
-            h = copy()
-            h.update(prev)
-            h.update(chunk)
-            prev = h.digest()
+            inner = inner_copy()
+            inner.update(prev)
+            inner.update(chunk)
+            outer = outer_copy()
+            outer.update(inner.digest())
+            prev = outer.digest()
             append(prev)  # type: ignore[arg-type]
         self._last = prev
         self._keys.extend(out)
