@@ -115,7 +115,7 @@ def token_octets(tokens: Tokens) -> memoryview:
             raise KeyMaterialError("tokens must be a one-dimensional integer array")
         if not _range_ok(tokens):
             raise KeyMaterialError("token ids must be in 0..2^32-1")
-        return memoryview(tokens.astype(">u4")).cast("B")
+        return tokens.astype(">u4").data.cast("B")
     if isinstance(tokens, str | bytes | bytearray | memoryview):
         raise KeyMaterialError("tokens must be a sequence of integers")
     try:
