@@ -98,13 +98,19 @@ class CompatibilityDescriptor(BaseModel):
     @field_validator("kv_dtype")
     @classmethod
     def _known_dtype(cls, value: str) -> str:
-        element_type(value)
+        try:
+            element_type(value)
+        except DescriptorError as exc:
+            raise ValueError(exc.detail) from None
         return value
 
     @field_validator("positional")
     @classmethod
     def _known_positional(cls, value: str) -> str:
-        parse_positional(value)
+        try:
+            parse_positional(value)
+        except DescriptorError as exc:
+            raise ValueError(exc.detail) from None
         return value
 
     @field_validator("layout")

@@ -1,0 +1,468 @@
+"""Record models: round trips, ignored unknown members, and the invariants of the spec."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import uuid
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvsp.core.problems import RecordError
+from kvsp.core.records import (
+    InstanceState,
+    InstanceStatusRecord,
+    LeaseGrant,
+    LeaseRenewal,
+    LeaseRequest,
+    LookupRequest,
+    LookupResponse,
+    PrefetchDirective,
+    PrefetchStatus,
+    ReplicaBatch,
+    ReplicaRecord,
+    ReshardAbort,
+    ReshardCommit,
+    ReshardPlan,
+    Sampler,
+    SessionCheckpoint,
+    ShardMap,
+    StateAnswer,
+    StateChange,
+    decode_moqt_namespace,
+)
+
+HEX32 = "ab" * 32
+HEX16 = "cd" * 16
+LAYER_DIGESTS = [hashlib.sha256(bytes([i])).hexdigest() for i in range(4)]
+REPLICA_DIGEST = (
+    "sha-256:" + hashlib.sha256(b"".join(bytes.fromhex(d) for d in LAYER_DIGESTS)).hexdigest()
+)
+
+
+def replica(**changes: Any) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "block_key": HEX32,
+        "compat_id": HEX32,
+        "scope_id": HEX16,
+        "holder": "https://h1.example/kvsp/",
+        "codec": 1,
+        "size": 2097152,
+        "digest": REPLICA_DIGEST,
+        "layer_digests": LAYER_DIGESTS,
+        "residency": [
+            {"tier": "device", "layers": [0, 1]},
+            {"tier": "host", "layers": [2, 3], "read_mbit_per_s": 400000},
+        ],
+        "ttl_ms": 600000,
+    }
+    record.update(changes)
+    return record
+
+
+def status(**changes: Any) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "instance": "https://ii7.example/kvsp/",
+        "epoch": 12,
+        "state": "active",
+        "running": 18,
+        "queued": 3,
+        "batch_size": 32,
+        "kv_utilization": 0.71,
+        "prefill_tokens_per_s": 42000,
+        "decode_tokens_per_s": 3100,
+        "links": [{"holder": "https://h1.example/kvsp/", "mbit_per_s": 200000, "rtt_us": 12}],
+        "requested_state": None,
+        "ttl_ms": 3000,
+    }
+    record.update(changes)
+    return record
+
+
+def checkpoint(**changes: Any) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "session": "6f1d0a9e-2c55-4d7e-9a0e-5b7f2f9f6a11",
+        "epoch": 1,
+        "compat_id": HEX32,
+        "scope_id": HEX16,
+        "prompt_blocks": [HEX32, HEX32],
+        "prompt_tail": [374, 264],
+        "generated": [1296, 315, 279],
+        "output_offset": 3,
+        "sampler": {
+            "method": "top-p",
+            "params": {"p": 0.9},
+            "seed": 7,
+            "step": 3,
+            "deterministic": False,
+        },
+    }
+    record.update(changes)
+    return record
+
+
+SHARD_MAP = {
+    "map": "c3f8e1",
+    "version": 4,
+    "shards": [
+        {"tokens": [0, 32768], "instance": "https://ii1.example/kvsp/"},
+        {"tokens": [32768, 65536], "instance": "https://ii2.example/kvsp/"},
+        {"tokens": [65536, 98304], "instance": "https://ii3.example/kvsp/"},
+    ],
+}
+PLAN = {
+    "map": "c3f8e1",
+    "from": 4,
+    "to": 5,
+    "deadline_ms": 200,
+    "retain": [[0, 32768]],
+    "fetch": [{"tokens": [32768, 49152], "from": "https://ii2.example/kvsp/"}],
+    "release": [],
+}
+DIRECTIVE = {
+    "directive": "a2b7c9e0-1f3d-4c1a-8f5b-6d2e9a7c3b10",
+    "request_ref": "opaque-value-from-PC",
+    "scope_id": HEX16,
+    "compat_id": HEX32,
+    "blocks": [{"block_key": HEX32, "sources": ["https://h1.example/kvsp/"]}],
+    "layer_order": "ascending",
+    "deadline_ms": 50,
+    "lease_ms": 2000,
+}
+
+
+@pytest.mark.parametrize(
+    ("model", "document"),
+    [
+        (ReplicaRecord, replica()),
+        (InstanceStatusRecord, status()),
+        (SessionCheckpoint, checkpoint()),
+        (ShardMap, SHARD_MAP),
+        (ReshardPlan, PLAN),
+        (ReshardCommit, {"map": "c3f8e1", "commit": 5}),
+        (ReshardAbort, {"map": "c3f8e1", "abort": 5}),
+        (PrefetchDirective, DIRECTIVE),
+        (
+            PrefetchStatus,
+            {"directive": DIRECTIVE["directive"], "state": "partial", "loaded": [HEX32]},
+        ),
+        (
+            LookupRequest,
+            {
+                "scope_id": HEX16,
+                "compat_id": HEX32,
+                "block_keys": [HEX32],
+                "targets": ["https://ii7.example/kvsp/"],
+            },
+        ),
+        (
+            LookupResponse,
+            {
+                "matched": 1,
+                "replicas": [[replica()]],
+                "estimates": [
+                    {"target": "https://ii7.example/kvsp/", "fetch_us": 10.5, "recompute_us": 300}
+                ],
+            },
+        ),
+        (
+            LeaseRequest,
+            {"compat_id": HEX32, "scope_id": HEX16, "block_keys": [HEX32], "ttl_ms": 2000},
+        ),
+        (LeaseGrant, {"lease": "l-1", "ttl_ms": 1000, "clipped": True}),
+        (LeaseRenewal, {"ttl_ms": 1000}),
+        (StateChange, {"state": "sleeping"}),
+        (StateAnswer, {"state": "draining"}),
+        (
+            ReplicaBatch,
+            {
+                "put": [replica()],
+                "delete": [
+                    {
+                        "compat_id": HEX32,
+                        "scope_id": HEX16,
+                        "block_key": HEX32,
+                        "holder": "https://h1.example/kvsp/",
+                    }
+                ],
+            },
+        ),
+    ],
+)
+def test_spec_examples_round_trip_and_ignore_unknown_members(
+    model: type[Any], document: dict[str, Any]
+) -> None:
+    parsed = model.parse({**document, "x_future_member": {"anything": 1}})
+    assert "x_future_member" not in parsed.to_json()
+    again = model.parse(parsed.to_json())
+    assert again == parsed
+    wire = {k: v for k, v in document.items() if v is not None}
+    assert _normalise(parsed.to_json()) == _normalise(wire)
+
+
+def _normalise(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _normalise(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [_normalise(v) for v in value]
+    return value
+
+
+def _rejects(model: type[Any], document: dict[str, Any], message: str) -> None:
+    with pytest.raises(RecordError, match=message):
+        model.parse(document)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {
+                "residency": [
+                    {"tier": "device", "layers": [0, 2]},
+                    {"tier": "host", "layers": [2, 3]},
+                ]
+            },
+            "overlap",
+        ),
+        ({"residency": [{"tier": "device", "layers": [0, 4]}]}, "outside the block's 4 layers"),
+        ({"residency": [{"tier": "device", "layers": [3, 1]}]}, "first <= last"),
+        ({"residency": [{"tier": "nvme", "layers": [0, 3]}]}, "tier"),
+        ({"residency": []}, "residency"),
+        ({"digest": "sha-256:" + "0" * 64}, "concatenated layer digests"),
+        ({"layer_digests": [HEX32[:-2] + "AB"]}, "layer_digests"),
+        ({"block_key": HEX32[:-1]}, "block_key"),
+        ({"scope_id": HEX32}, "scope_id"),
+        ({"codec": 9}, "codec 9 is not registered"),
+        ({"holder": "ftp://h1.example/"}, "http\\(s\\) URL or a moqt URI"),
+        ({"holder": "https:///kvsp/"}, "host"),
+        ({"size": "2097152"}, "size"),
+        ({"ttl_ms": 0}, "ttl_ms"),
+        ({"moqt_namespace": "AA"}, "only for moqt holders"),
+        ({"holder": "moqt://relay.example/"}, "needs moqt_namespace"),
+    ],
+)
+def test_replica_record_rejections(changes: dict[str, Any], message: str) -> None:
+    _rejects(ReplicaRecord, replica(**changes), message)
+
+
+def test_layer_digests_are_optional_and_layers_checkable() -> None:
+    record = ReplicaRecord.parse(
+        replica(layer_digests=None, residency=[{"tier": "host", "layers": [0, 29]}])
+    )
+    assert record.layer_digests is None
+    record.check_layers(30)
+    with pytest.raises(ValueError, match="outside"):
+        record.check_layers(16)
+
+
+def test_holds_layers() -> None:
+    record = ReplicaRecord.parse(replica())
+    assert record.holds_layers(0, 3)
+    assert record.holds_layers(1, 2)
+    gap = ReplicaRecord.parse(
+        replica(
+            layer_digests=None,
+            residency=[{"tier": "host", "layers": [0, 1]}, {"tier": "disk", "layers": [3, 3]}],
+        )
+    )
+    assert gap.holds_layers(0, 1)
+    assert not gap.holds_layers(0, 3)
+    assert gap.holds_layers(3, 3)
+
+
+def _namespace(fields: list[bytes]) -> str:
+    raw = b"".join(bytes([len(f)]) + f for f in fields)
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def test_moqt_holders() -> None:
+    fields = [b"kvsp", b"v1", b"compat", b"scope", b"\xff\x00"]
+    ns = _namespace(fields)
+    record = ReplicaRecord.parse(replica(holder="moqt://relay.example:4443/", moqt_namespace=ns))
+    assert decode_moqt_namespace(record.moqt_namespace or "") == tuple(fields)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (_namespace([b"a", b"b", b"c", b"d"]), "5 fields, got 4"),
+        (_namespace([b"a"] * 6), "5 fields, got 6"),
+        (_namespace([b"a"] * 5) + "=", "without padding"),
+        ("AWEBYgFjAWQ+ZQ", "without padding"),
+        (
+            base64.urlsafe_b64encode(b"\x01a\x01b\x01c\x01d\x05e").rstrip(b"=").decode(),
+            "bad length",
+        ),
+        (base64.urlsafe_b64encode(b"\x00\x01a\x01b\x01c\x01d").rstrip(b"=").decode(), "bad length"),
+        ("AWEBYgFjAWQBZR", "canonical"),
+    ],
+)
+def test_moqt_namespace_rejections(value: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        decode_moqt_namespace(value)
+    _rejects(
+        ReplicaRecord,
+        replica(holder="moqt://relay.example/", moqt_namespace=value),
+        "moqt_namespace",
+    )
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=6))
+def test_residency_accepted_iff_ordered_non_overlapping_and_in_range(
+    ranges: list[tuple[int, int]],
+) -> None:
+    layers = 32
+    residency = [{"tier": "host", "layers": [a, b]} for a, b in ranges]
+    covered = [layer for a, b in ranges for layer in range(a, b + 1)]
+    valid = (
+        all(a <= b for a, b in ranges)
+        and len(covered) == len(set(covered))
+        and all(b < layers for _, b in ranges)
+    )
+    digests = [hashlib.sha256(bytes([i])).hexdigest() for i in range(layers)]
+    document = replica(
+        layer_digests=digests,
+        digest="sha-256:" + hashlib.sha256(b"".join(bytes.fromhex(d) for d in digests)).hexdigest(),
+        residency=residency,
+    )
+    if valid:
+        ReplicaRecord.parse(document)
+    else:
+        _rejects(ReplicaRecord, document, "residency")
+
+
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=6), st.data())
+def test_shard_maps_must_be_contiguous_half_open(widths: list[int], data: st.DataObject) -> None:
+    bounds = [0]
+    for width in widths:
+        bounds.append(bounds[-1] + width)
+    shards = [
+        {"tokens": [bounds[i], bounds[i + 1]], "instance": f"https://ii{i}.example/kvsp/"}
+        for i in range(len(widths))
+    ]
+    ShardMap.parse({"map": "m", "version": 1, "shards": shards})
+    broken = [dict(s, tokens=list(s["tokens"])) for s in shards]
+    which = data.draw(st.integers(0, len(broken) - 1))
+    mutation = data.draw(st.sampled_from(["gap", "overlap", "empty", "reorder"]))
+    if mutation == "reorder" and len(broken) < 2:
+        mutation = "gap"
+    if mutation == "gap":
+        broken[which]["tokens"][1] += 1
+        if which == len(broken) - 1:
+            broken[which]["tokens"][0] += 1
+    elif mutation == "overlap":
+        broken[which]["tokens"][0] = max(broken[which]["tokens"][0] - 1, 0) if which else 1
+    elif mutation == "empty":
+        broken[which]["tokens"][1] = broken[which]["tokens"][0]
+    else:
+        broken[0], broken[1] = broken[1], broken[0]
+    with pytest.raises(RecordError):
+        ShardMap.parse({"map": "m", "version": 1, "shards": broken})
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"epoch": -1}, "epoch"),
+        ({"state": "asleep"}, "state"),
+        ({"kv_utilization": 1.5}, "kv_utilization"),
+        ({"prefill_tokens_per_s": 0}, "prefill_tokens_per_s"),
+        ({"requested_state": "active"}, "requested_state"),
+        ({"instance": "not a url"}, "instance"),
+        (
+            {"links": [{"holder": "https://h1/", "mbit_per_s": 1, "rtt_us": 1}] * 2},
+            "one link per holder",
+        ),
+        ({"queued": 1.5}, "queued"),
+    ],
+)
+def test_status_rejections(changes: dict[str, Any], message: str) -> None:
+    _rejects(InstanceStatusRecord, status(**changes), message)
+
+
+def test_status_links() -> None:
+    record = InstanceStatusRecord.parse(status(requested_state="sleeping"))
+    assert record.requested_state is InstanceState.SLEEPING
+    assert record.link_to("https://h1.example/kvsp/") is not None
+    assert record.link_to("https://h2.example/kvsp/") is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"session": "not-a-uuid"}, "UUID"),
+        ({"output_offset": 2}, "output_offset"),
+        ({"prompt_tail": [2**32]}, "prompt_tail"),
+        ({"sampler": {"method": "beam"}}, "method"),
+        ({"sampler": {"method": "top-p", "params": {}}}, "needs p"),
+        ({"sampler": {"method": "top-p", "params": {"p": 1.5}}}, "p must be"),
+        ({"sampler": {"method": "top-k", "params": {"k": 0}}}, "k must be"),
+        ({"sampler": {"method": "greedy", "params": {"k": 2}}}, "no parameter k"),
+        ({"sampler": {"method": "temperature", "params": {"temperature": 0}}}, "temperature must"),
+        ({"sampler": {"method": "top-p", "params": {"p": 0.5}, "deterministic": True}}, "greedy"),
+    ],
+)
+def test_checkpoint_rejections(changes: dict[str, Any], message: str) -> None:
+    _rejects(SessionCheckpoint, checkpoint(**changes), message)
+
+
+def test_session_ids_are_normalised_uuids() -> None:
+    upper = str(uuid.uuid4()).upper()
+    assert SessionCheckpoint.parse(checkpoint(session=upper)).session == upper.lower()
+    assert Sampler.parse({"method": "greedy", "deterministic": True}).deterministic
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"to": 6}, "v to v\\+1"),
+        ({"retain": [[0, 40000]]}, "overlap"),
+        ({"retain": [[5, 5]]}, "start < end"),
+        ({"release": [[0, 10], [5, 20]]}, "overlap"),
+    ],
+)
+def test_reshard_plan_rejections(changes: dict[str, Any], message: str) -> None:
+    _rejects(ReshardPlan, {**PLAN, **changes}, message)
+
+
+def test_reshard_plan_uses_the_from_alias() -> None:
+    plan = ReshardPlan.parse(PLAN)
+    assert plan.from_ == 4
+    assert plan.to_json()["from"] == 4
+    assert plan.fetch[0].from_ == "https://ii2.example/kvsp/"
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"blocks": DIRECTIVE["blocks"] * 2}, "once"),
+        ({"blocks": []}, "blocks"),
+        ({"layer_order": "descending"}, "layer_order"),
+        ({"blocks": [{"block_key": HEX32, "sources": []}]}, "sources"),
+        ({"deadline_ms": 0}, "deadline_ms"),
+    ],
+)
+def test_prefetch_directive_rejections(changes: dict[str, Any], message: str) -> None:
+    _rejects(PrefetchDirective, {**DIRECTIVE, **changes}, message)
+
+
+def test_lookup_response_lists_records_per_match() -> None:
+    _rejects(LookupResponse, {"matched": 2, "replicas": [[replica()]]}, "each matched key")
+    _rejects(LookupResponse, {"matched": 1, "replicas": [[]]}, "each matched key")
+
+
+def test_lookup_request_bounds_the_key_list() -> None:
+    _rejects(
+        LookupRequest,
+        {"scope_id": HEX16, "compat_id": HEX32, "block_keys": [HEX32] * 65_537},
+        "block_keys",
+    )
+
+
+def test_invalid_json_is_a_record_error() -> None:
+    with pytest.raises(RecordError, match="ReplicaRecord"):
+        ReplicaRecord.parse(b'{"bad json')

@@ -1,0 +1,72 @@
+"""Locks the public surface: every name in ``__all__`` exists, nothing private leaks, and the
+sans-IO core imports no I/O framework."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+import kvsp
+
+PUBLIC_MODULES = [
+    "kvsp",
+    "kvsp.auth",
+    "kvsp.cli",
+    "kvsp.core",
+    "kvsp.core.clock",
+    "kvsp.core.compat",
+    "kvsp.core.container",
+    "kvsp.core.cost",
+    "kvsp.core.digests",
+    "kvsp.core.ids",
+    "kvsp.core.keys",
+    "kvsp.core.problems",
+    "kvsp.core.records",
+    "kvsp.core.registries",
+]
+CORE = Path(kvsp.__file__).parent / "core"
+FORBIDDEN_IN_CORE = {
+    "asyncio",
+    "httpx",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "redis",
+    "torch",
+    "socket",
+    "aiohttp",
+}
+
+
+@pytest.mark.parametrize("name", PUBLIC_MODULES)
+def test_all_is_explicit_and_resolves(name: str) -> None:
+    module = importlib.import_module(name)
+    exported = module.__all__
+    assert len(exported) == len(set(exported))
+    assert all(hasattr(module, attr) for attr in exported)
+    assert not any(attr.startswith("_") and not attr.endswith("__") for attr in exported)
+
+
+def test_every_module_is_listed() -> None:
+    package = Path(kvsp.__file__).parent
+    found = {
+        "kvsp." + ".".join(p.relative_to(package).with_suffix("").parts)
+        for p in package.rglob("*.py")
+        if p.name not in ("__init__.py", "__main__.py")
+    } | {"kvsp", "kvsp.core"}
+    assert found == set(PUBLIC_MODULES)
+
+
+@pytest.mark.parametrize("path", sorted(CORE.glob("*.py")), ids=lambda p: p.name)
+def test_core_is_sans_io(path: Path) -> None:
+    tree = ast.parse(path.read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert not imported & FORBIDDEN_IN_CORE
