@@ -130,7 +130,7 @@ def test_compat_id_is_the_domain_separated_hash() -> None:
 def test_geometry() -> None:
     geometry = CompatibilityDescriptor.parse(DESCRIPTOR).geometry
     assert geometry.section_bytes(16) == 16 * 3 * 64 * 4
-    assert geometry.block_layer_bytes(1) * geometry.layers == 46_080  # SmolLM2 KV per token
+    assert 2 * geometry.section_bytes(1) * geometry.layers == 46_080  # SmolLM2 KV per token
 
 
 def test_unrepresentable_values_are_descriptor_errors() -> None:

@@ -7,10 +7,12 @@ import hashlib
 import uuid
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvsp.core.container import Container
 from kvsp.core.problems import RecordError
 from kvsp.core.records import (
     InstanceState,
@@ -466,3 +468,21 @@ def test_lookup_request_bounds_the_key_list() -> None:
 def test_invalid_json_is_a_record_error() -> None:
     with pytest.raises(RecordError, match="ReplicaRecord"):
         ReplicaRecord.parse(b'{"bad json')
+
+
+def test_a_record_verifies_the_container_it_describes() -> None:
+    sections = [
+        (np.full((2, 1, 4), i, np.float32), np.full((2, 1, 4), -i, np.float32)) for i in range(3)
+    ]
+    container = Container.build(0, 2, sections)
+    record = ReplicaRecord.parse(
+        replica(
+            layer_digests=[d.hex() for d in container.layer_digests()],
+            digest="sha-256:" + container.digest().hex(),
+            residency=[{"tier": "host", "layers": [0, 2]}],
+            size=container.size,
+        )
+    )
+    assert record.layer_count == 3
+    fetched = Container.parse(container.slice(1, 2).tobytes())
+    fetched.verify(record.layer_digest_octets(), record.digest_octets)

@@ -75,10 +75,6 @@ class Geometry:
     def section_bytes(self, tokens: int) -> int:
         return tokens * self.kv_heads * self.head_dim * self.element.size
 
-    def block_layer_bytes(self, tokens: int) -> int:
-        """Octets of one layer (K and V) of a block of ``tokens`` tokens."""
-        return 2 * self.section_bytes(tokens)
-
 
 class CompatibilityDescriptor(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

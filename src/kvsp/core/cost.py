@@ -49,16 +49,10 @@ def placement_cost(
     return wait + min(fetch + recompute_unmatched, recompute_all)
 
 
-def _layer_count(record: ReplicaRecord) -> int:
-    if record.layer_digests is not None:
-        return len(record.layer_digests)
-    return max(r.layers[1] for r in record.residency) + 1
-
-
 def transfer_us(record: ReplicaRecord, link: Link) -> float:
     """Time to move every layer of ``record`` over ``link``, each residency range at
     ``min(link rate, tier read rate)``; excludes the round trip."""
-    layers = _layer_count(record)
+    layers = record.layer_count
     per_layer = max(record.size - FIXED_HEADER_OCTETS - 16 * layers, 0) / layers
     total = 0.0
     for entry in record.residency:
@@ -97,7 +91,7 @@ def plan_fetch(
         best: tuple[float, str, ReplicaRecord] | None = None
         for record in records:
             link = target.link_to(record.holder)
-            if link is None or not record.holds_layers(0, _layer_count(record) - 1):
+            if link is None or not record.holds_layers(0, record.layer_count - 1):
                 continue
             done = finish.get(record.holder, float(link.rtt_us)) + transfer_us(record, link)
             if best is None or (done, record.holder) < (best[0], best[1]):

@@ -239,10 +239,19 @@ class ReplicaRecord(Record):
                 raise ValueError(f"residency {first}-{last} outside the block's {layers} layers")
 
     @property
+    def layer_count(self) -> int:
+        """Layers of the block: from ``layer_digests``, else the highest resident layer + 1."""
+        if self.layer_digests is not None:
+            return len(self.layer_digests)
+        return max(r.layers[1] for r in self.residency) + 1
+
+    @property
     def digest_octets(self) -> bytes:
+        """The replica digest as octets, for ``Container.verify``."""
         return bytes.fromhex(self.digest.removeprefix("sha-256:"))
 
     def layer_digest_octets(self) -> list[bytes]:
+        """The layer digests as octets indexed by layer, for ``Container.verify``."""
         return [bytes.fromhex(d) for d in self.layer_digests or ()]
 
     def holds_layers(self, first: int, last: int) -> bool:
@@ -401,9 +410,6 @@ class ShardMap(Record):
                     f"{list(after.tokens)}"
                 )
         return value
-
-    def ranges_of(self, instance: str) -> list[tuple[int, int]]:
-        return [s.tokens for s in self.shards if s.instance == instance]
 
 
 class FetchRange(Record):
