@@ -26,6 +26,7 @@ PUBLIC_MODULES = [
     "kvsp.core.problems",
     "kvsp.core.records",
     "kvsp.core.registries",
+    "kvsp.core.validation",
 ]
 CORE = Path(kvsp.__file__).parent / "core"
 FORBIDDEN_IN_CORE = {

@@ -9,9 +9,8 @@ member we do not understand might change the tensors; see docs/decisions/0002).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -23,13 +22,14 @@ from pydantic import (
     Field,
     StrictInt,
     StrictStr,
-    ValidationError,
+    ValidationInfo,
     field_validator,
 )
 
 from kvsp.core.ids import CompatId
 from kvsp.core.problems import DescriptorError
-from kvsp.core.registries import LAYOUTS, ElementType, element_type, parse_positional
+from kvsp.core.registries import ElementType, element_type, layout, parse_positional
+from kvsp.core.validation import parse_model
 
 __all__ = [
     "COMPAT_DOMAIN",
@@ -40,7 +40,6 @@ __all__ = [
     "canonical_json",
     "compute_compat_id",
     "file_digest",
-    "format_validation_error",
     "model_digest",
     "tokenizer_digest",
 ]
@@ -48,19 +47,14 @@ __all__ = [
 COMPAT_DOMAIN = b"KVSP-COMPAT-1\x00"
 DIGEST_PATTERN = r"^sha-256:[0-9a-f]{64}$"
 _READ_CHUNK = 1 << 20
+_REGISTRY_CHECKS: dict[str, Callable[[str], object]] = {
+    "kv_dtype": element_type,
+    "positional": parse_positional,
+    "layout": layout,
+}
 
 Sha256Digest = Annotated[StrictStr, Field(pattern=DIGEST_PATTERN)]
 _Count = Annotated[StrictInt, Field(ge=1, le=65_535)]
-
-
-def format_validation_error(exc: ValidationError) -> str:
-    """One line naming every offending member, for problem details and CLI errors."""
-    parts = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "body"
-        msg = "unknown member" if err["type"] == "extra_forbidden" else err["msg"]
-        parts.append(f"{where}: {msg}")
-    return "; ".join(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,44 +85,19 @@ class CompatibilityDescriptor(BaseModel):
     block_tokens: Annotated[StrictInt, Field(ge=1, le=1 << 20)]
     layout: StrictStr
 
-    @field_validator("kv_dtype")
+    @field_validator("kv_dtype", "positional", "layout")
     @classmethod
-    def _known_dtype(cls, value: str) -> str:
+    def _registered(cls, value: str, info: ValidationInfo) -> str:
         try:
-            element_type(value)
+            _REGISTRY_CHECKS[str(info.field_name)](value)
         except DescriptorError as exc:
             raise ValueError(exc.detail) from None
         return value
 
-    @field_validator("positional")
     @classmethod
-    def _known_positional(cls, value: str) -> str:
-        try:
-            parse_positional(value)
-        except DescriptorError as exc:
-            raise ValueError(exc.detail) from None
-        return value
-
-    @field_validator("layout")
-    @classmethod
-    def _known_layout(cls, value: str) -> str:
-        if value not in LAYOUTS:
-            raise ValueError(
-                f"layout {value!r} is not registered (known: {', '.join(sorted(LAYOUTS))})"
-            )
-        return value
-
-    @classmethod
-    def parse(cls, data: str | bytes | dict[str, Any]) -> CompatibilityDescriptor:
+    def parse(cls, data: str | bytes | Mapping[str, Any]) -> CompatibilityDescriptor:
         """Validate a descriptor from JSON text or a decoded object; errors are DescriptorError."""
-        try:
-            if isinstance(data, dict):
-                return cls.model_validate(data)
-            return cls.model_validate_json(data)
-        except ValidationError as exc:
-            raise DescriptorError(f"invalid descriptor: {format_validation_error(exc)}") from None
-        except json.JSONDecodeError as exc:
-            raise DescriptorError(f"descriptor is not JSON: {exc}") from None
+        return parse_model(cls, data, DescriptorError, "descriptor")
 
     def to_json_object(self) -> dict[str, Any]:
         """The descriptor as a JSON object, with ``adapters`` absent when unused."""

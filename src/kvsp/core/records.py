@@ -13,10 +13,9 @@ from __future__ import annotations
 import base64
 import binascii
 import itertools
-import json
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
@@ -30,16 +29,16 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
-from kvsp.core.compat import DIGEST_PATTERN, format_validation_error
+from kvsp.core.compat import DIGEST_PATTERN
 from kvsp.core.container import replica_digest
 from kvsp.core.ids import HEX16_PATTERN, HEX32_PATTERN
 from kvsp.core.problems import RecordError
 from kvsp.core.registries import CODECS, Tier
+from kvsp.core.validation import parse_model
 
 __all__ = [
     "MAX_KEYS_PER_REQUEST",
@@ -157,16 +156,9 @@ class Record(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
 
     @classmethod
-    def parse(cls, data: str | bytes | dict[str, Any]) -> Self:
+    def parse(cls, data: str | bytes | Mapping[str, Any]) -> Self:
         """Validate JSON text or a decoded object; any failure is a ``RecordError``."""
-        try:
-            if isinstance(data, dict):
-                return cls.model_validate(data)
-            return cls.model_validate_json(data)
-        except ValidationError as exc:
-            raise RecordError(f"invalid {cls.__name__}: {format_validation_error(exc)}") from None
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise RecordError(f"invalid {cls.__name__}: {exc}") from None
+        return parse_model(cls, data, RecordError, cls.__name__)
 
     def to_json(self) -> dict[str, Any]:
         """The wire form: optional members that are unset are absent."""

@@ -32,6 +32,7 @@ __all__ = [
     "PositionalEncoding",
     "Tier",
     "element_type",
+    "layout",
     "parse_positional",
 ]
 
@@ -131,6 +132,13 @@ def element_type(name: str) -> ElementType:
     except KeyError:
         known = ", ".join(sorted(ELEMENT_TYPES))
         raise DescriptorError(f"kv_dtype {name!r} is not registered (known: {known})") from None
+
+
+def layout(name: str) -> str:
+    if name not in LAYOUTS:
+        known = ", ".join(sorted(LAYOUTS))
+        raise DescriptorError(f"layout {name!r} is not registered (known: {known})")
+    return name
 
 
 def parse_positional(text: str) -> tuple[PositionalEncoding, dict[str, str]]:

@@ -1,0 +1,40 @@
+"""Pydantic validation mapped onto kvsp errors.
+
+Descriptors and records are pydantic models; callers want one kvsp error with one line that
+names every offending member, whatever the input form (JSON text, octets or a decoded object).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from kvsp.core.problems import InvalidInput
+
+__all__ = ["format_validation_error", "parse_model"]
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line naming every offending member, for problem details and CLI errors."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        msg = "unknown member" if err["type"] == "extra_forbidden" else err["msg"]
+        parts.append(f"{where}: {msg}")
+    return "; ".join(parts)
+
+
+def parse_model(
+    model: type[M], data: str | bytes | Mapping[str, Any], error: type[InvalidInput], label: str
+) -> M:
+    """Validate JSON text, octets or a decoded object as ``model``; failures raise ``error``."""
+    try:
+        if isinstance(data, str | bytes):
+            return model.model_validate_json(data)
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise error(f"invalid {label}: {format_validation_error(exc)}") from None
