@@ -293,3 +293,12 @@ def test_bfloat16_sections_keep_octets() -> None:
     built = Container.build(0, 2, [(raw.tobytes(), raw.tobytes())], geometry=geometry)
     view = section_array(built.layers[0].k, geometry.element, 2, 3)
     np.testing.assert_array_equal(view, raw)
+
+
+def test_parser_keeps_rejecting_after_an_error() -> None:
+    parser = ContainerParser()
+    assert parser.feed(b"KVB1\x02") == []  # version 2 shows once the fixed header is in
+    with pytest.raises(ContainerHeaderError):
+        parser.feed(bytes(20))
+    with pytest.raises(ContainerError):
+        parser.feed(bytes(40))

@@ -471,14 +471,21 @@ class ContainerParser:
         data = memoryview(chunk).cast("B")
         if self.header is not None:
             return self._take(self.header, data)
-        self._head += data
-        header = _read_header(memoryview(self._head), self._max)
+        # Until the header is complete, octets wait in a small side buffer; a chunk that holds
+        # the whole header is read in place, so its data is copied only into the container.
+        pending = data
+        if self._head:
+            self._head = self._head + data  # a new buffer: no view of the old one can block it
+            pending = memoryview(self._head)
+        header = _read_header(pending, self._max)
         if header is None:
+            if pending is data:
+                self._head = bytearray(data)
             return []
         header.check(self._geometry)
         self._start(header)
-        head, self._head = self._head, bytearray()
-        return self._take(header, memoryview(head))
+        self._head = bytearray()
+        return self._take(header, pending)
 
     def _start(self, header: ContainerHeader) -> None:
         self.header = header
