@@ -196,6 +196,7 @@ def _header(
         (_header(count=0, lengths=()), ContainerHeaderError, "layer count"),
         (_header(tokens=0) + bytes(16), ContainerHeaderError, "token count"),
         (_header(lengths=(8, 4)) + bytes(12), ContainerLengthError, "equal"),
+        (_header(lengths=(0, 0)), ContainerLengthError, "empty"),
         (_header(tokens=3) + bytes(16), ContainerLengthError, "whole number"),
         (_header() + bytes(15), ContainerTruncatedError, "announces"),
         (_header() + bytes(17), ContainerTrailingDataError, "after the last"),

@@ -173,7 +173,12 @@ class ContainerHeader:
             return
         expected = None if geometry is None else geometry.section_bytes(self.token_count)
         first = self.lengths[0][0]
-        for i, (k, v) in enumerate(self.lengths):
+        uniform = first if expected is None else expected
+        if set(self.lengths) == {(uniform, uniform)} and uniform % self.token_count == 0:
+            if uniform == 0:
+                raise ContainerLengthError("raw sections must not be empty")
+            return
+        for i, (k, v) in enumerate(self.lengths):  # name the first offending layer
             layer = self.first_layer + i
             if expected is not None and (k != expected or v != expected):
                 raise ContainerLengthError(
@@ -252,17 +257,16 @@ class LayerSections:
 
 
 def _layers(
-    header: ContainerHeader, buffer: memoryview, start: int, stop: int
+    header: ContainerHeader, data: memoryview, start: int, stop: int
 ) -> list[LayerSections]:
-    """Views of the layers at positions ``start``..``stop-1`` of the container."""
+    """Views of the layers at positions ``start``..``stop-1``, from the contiguous data region
+    ``data`` (which begins with the first layer's K section)."""
     out = []
-    pos = header.offset_of(header.first_layer + start)
+    pos = header.offset_of(header.first_layer + start) - header.header_octets
     for i in range(start, stop):
         k, v = header.lengths[i]
         out.append(
-            LayerSections(
-                header.first_layer + i, buffer[pos : pos + k], buffer[pos + k : pos + k + v]
-            )
+            LayerSections(header.first_layer + i, data[pos : pos + k], data[pos + k : pos + k + v])
         )
         pos += k + v
     return out
@@ -288,34 +292,43 @@ class Container:
     valid only while the caller leaves its section memory unchanged.
     """
 
-    __slots__ = ("_data", "_digests", "_header_octets", "header", "layers")
+    __slots__ = ("_data", "_digests", "_header_octets", "_layers", "header")
 
     def __init__(
         self,
         header: ContainerHeader,
         header_octets: bytes | memoryview,
         data: Sequence[memoryview],
-        layers: Sequence[LayerSections],
         digests: Sequence[bytes] | None = None,
     ) -> None:
+        """``data`` is either one contiguous data region or a K and a V view per layer."""
         self.header = header
         self._header_octets = header_octets
         self._data = tuple(data)
-        self.layers = tuple(layers)
         self._digests = None if digests is None else tuple(digests)
+        self._layers: tuple[LayerSections, ...] | None = None
 
     @classmethod
     def _over(
         cls, header: ContainerHeader, buffer: memoryview, digests: Sequence[bytes] | None = None
     ) -> Container:
         """A container whose whole representation is the contiguous ``buffer``."""
-        return cls(
-            header,
-            buffer[: header.header_octets],
-            (buffer[header.header_octets :],),
-            _layers(header, buffer, 0, header.layer_count),
-            digests,
-        )
+        split = header.header_octets
+        return cls(header, buffer[:split], (buffer[split:],), digests)
+
+    @property
+    def layers(self) -> tuple[LayerSections, ...]:
+        """Zero-copy views of every layer, in ascending order (made on first use)."""
+        if self._layers is None:
+            header, data = self.header, self._data
+            if len(data) == 1:
+                self._layers = tuple(_layers(header, data[0], 0, header.layer_count))
+            else:
+                self._layers = tuple(
+                    LayerSections(header.first_layer + i, data[2 * i], data[2 * i + 1])
+                    for i in range(header.layer_count)
+                )
+        return self._layers
 
     @classmethod
     def parse(
@@ -366,9 +379,8 @@ class Container:
             codec, first_layer, token_count, tuple((len(k), len(v)) for k, v in views)
         )
         header.check(geometry)
-        layers = [LayerSections(first_layer + i, k, v) for i, (k, v) in enumerate(views)]
         data = [part for pair in views for part in pair]
-        return cls(header, header.encode(), data, layers, digests)
+        return cls(header, header.encode(), data, digests)
 
     @property
     def parts(self) -> tuple[bytes | memoryview, ...]:
@@ -412,14 +424,13 @@ class Container:
         sub = self.header.sliced(first, last)
         lo = first - self.header.first_layer
         hi = lo + sub.layer_count
-        layers = self.layers[lo:hi]
         digests = None if self._digests is None else self._digests[lo:hi]
         if len(self._data) == 1:
             start = self.header.offset_of(first) - self.header.header_octets
-            data: list[memoryview] = [self._data[0][start : start + sub.data_octets]]
+            data: tuple[memoryview, ...] = (self._data[0][start : start + sub.data_octets],)
         else:
-            data = [part for layer in layers for part in (layer.k, layer.v)]
-        return Container(sub, sub.encode(), data, layers, digests)
+            data = self._data[2 * lo : 2 * hi]
+        return Container(sub, sub.encode(), data, digests)
 
 
 class ContainerParser:
@@ -507,7 +518,7 @@ class ContainerParser:
             ready += 1
         if ready == self._emitted:
             return []
-        layers = _layers(header, self._view, self._emitted, ready)
+        layers = _layers(header, self._view[header.header_octets :], self._emitted, ready)
         for layer in layers:
             self.digests.append(_check_layer(layer, self._expected))
         self._emitted = ready
