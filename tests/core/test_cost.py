@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from kvsp.core.cost import (
+    ReplicaSummary,
     estimate_cost,
     placement_cost,
     plan_fetch,
@@ -26,8 +27,8 @@ SIZE = 20 + 16 * LAYERS + LAYERS * LAYER_OCTETS
 
 def record(
     holder: str, key: int = 0, residency: list[dict[str, Any]] | None = None
-) -> ReplicaRecord:
-    return ReplicaRecord.parse(
+) -> ReplicaSummary:
+    parsed = ReplicaRecord.parse(
         {
             "block_key": f"{key:064x}",
             "compat_id": "00" * 32,
@@ -40,6 +41,7 @@ def record(
             "ttl_ms": 1000,
         }
     )
+    return ReplicaSummary.of(parsed)
 
 
 def target(links: list[dict[str, Any]], queued: int = 0) -> InstanceStatusRecord:

@@ -8,7 +8,8 @@ instance: blocks the instance already holds cost nothing; every other block goes
 that finishes it earliest given what that source already carries (list scheduling), and the
 estimate is the latest finishing source, ``max_s (rtt_us(i,s) + 8 * bytes_from(s) / rate)``.
 A source's rate is the instance's link rate to it, reduced for each layer range to the tier's
-``read_mbit_per_s``. A block no reachable source holds ends the usable prefix: Block Keys are
+``read_mbit_per_s``. The functions take ``ReplicaSummary`` (the few members of a Replica Record
+the estimate reads), which an index can keep per record at little cost. A block no reachable source holds ends the usable prefix: Block Keys are
 chained, so nothing after it can be used.
 """
 
@@ -23,6 +24,8 @@ from kvsp.core.records import InstanceStatusRecord, Link, ReplicaRecord
 __all__ = [
     "CostBreakdown",
     "FetchPlan",
+    "ReplicaSummary",
+    "TierSpan",
     "estimate_cost",
     "placement_cost",
     "plan_fetch",
@@ -49,17 +52,51 @@ def placement_cost(
     return wait + min(fetch + recompute_unmatched, recompute_all)
 
 
-def transfer_us(record: ReplicaRecord, link: Link) -> float:
-    """Time to move every layer of ``record`` over ``link``, each residency range at
+@dataclass(frozen=True, slots=True)
+class TierSpan:
+    """Layers ``first..last`` of a replica in one tier, read at ``read_mbit_per_s`` (None:
+    as fast as the link)."""
+
+    first: int
+    last: int
+    read_mbit_per_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSummary:
+    """What the cost model needs of a Replica Record, small enough to keep per record."""
+
+    holder: str
+    size: int
+    layer_count: int
+    spans: tuple[TierSpan, ...]
+    complete: bool
+
+    @classmethod
+    def of(cls, record: ReplicaRecord) -> ReplicaSummary:
+        layers = record.layer_count
+        return cls(
+            holder=record.holder,
+            size=record.size,
+            layer_count=layers,
+            spans=tuple(
+                TierSpan(r.layers[0], r.layers[1], r.read_mbit_per_s) for r in record.residency
+            ),
+            complete=record.holds_layers(0, layers - 1),
+        )
+
+
+def transfer_us(replica: ReplicaSummary, link: Link) -> float:
+    """Time to move every layer of ``replica`` over ``link``, each tier span at
     ``min(link rate, tier read rate)``; excludes the round trip."""
-    layers = record.layer_count
-    per_layer = max(record.size - FIXED_HEADER_OCTETS - 16 * layers, 0) / layers
+    layers = replica.layer_count
+    per_layer = max(replica.size - FIXED_HEADER_OCTETS - 16 * layers, 0) / layers
     total = 0.0
-    for entry in record.residency:
+    for span in replica.spans:
         rate = link.mbit_per_s
-        if entry.read_mbit_per_s is not None:
-            rate = min(rate, entry.read_mbit_per_s)
-        total += 8 * per_layer * (entry.layers[1] - entry.layers[0] + 1) / rate
+        if span.read_mbit_per_s is not None:
+            rate = min(rate, span.read_mbit_per_s)
+        total += 8 * per_layer * (span.last - span.first + 1) / rate
     return total
 
 
@@ -75,7 +112,7 @@ class FetchPlan:
 
 
 def plan_fetch(
-    target: InstanceStatusRecord, matched: Sequence[Sequence[ReplicaRecord]]
+    target: InstanceStatusRecord, matched: Sequence[Sequence[ReplicaSummary]]
 ) -> FetchPlan:
     """Assign each matched block to a source reachable from ``target`` (see module doc)."""
     finish: dict[str, float] = {}
@@ -88,10 +125,10 @@ def plan_fetch(
             resident += 1
             usable += 1
             continue
-        best: tuple[float, str, ReplicaRecord] | None = None
+        best: tuple[float, str, ReplicaSummary] | None = None
         for record in records:
             link = target.link_to(record.holder)
-            if link is None or not record.holds_layers(0, record.layer_count - 1):
+            if link is None or not record.complete:
                 continue
             done = finish.get(record.holder, float(link.rtt_us)) + transfer_us(record, link)
             if best is None or (done, record.holder) < (best[0], best[1]):
@@ -125,7 +162,7 @@ class CostBreakdown:
 
 def estimate_cost(
     target: InstanceStatusRecord,
-    matched: Sequence[Sequence[ReplicaRecord]],
+    matched: Sequence[Sequence[ReplicaSummary]],
     block_tokens: int,
     prompt_tokens: int,
     mean_service_us: float,

@@ -29,7 +29,9 @@ status it maps to, so a server never has to invent a status or string-match a me
      +-- IllegalTransition                  409 kvsp-illegal-transition
      +-- AlreadyStored                      412 kvsp-already-stored
      +-- PayloadTooLarge                    413 kvsp-payload-too-large
+     +-- UnsupportedMediaType               415 kvsp-unsupported-media-type
      +-- LeaseQuotaExceeded                 429 kvsp-lease-quota
+     +-- ServiceUnavailable                 503 kvsp-unavailable  (a backing store is down)
      +-- CapacityExhausted                  507 kvsp-capacity
 """
 
@@ -60,8 +62,10 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "RecordError",
+    "ServiceUnavailable",
     "StaleEpoch",
     "Unauthenticated",
+    "UnsupportedMediaType",
     "problem_types",
 ]
 
@@ -203,10 +207,22 @@ class PayloadTooLarge(KvspError):
     title = "Request body too large"
 
 
+class UnsupportedMediaType(KvspError):
+    status = 415
+    slug = "kvsp-unsupported-media-type"
+    title = "Unsupported content type"
+
+
 class LeaseQuotaExceeded(KvspError):
     status = 429
     slug = "kvsp-lease-quota"
     title = "Lease quota exceeded"
+
+
+class ServiceUnavailable(KvspError):
+    status = 503
+    slug = "kvsp-unavailable"
+    title = "Service temporarily unavailable"
 
 
 class CapacityExhausted(KvspError):
