@@ -8,9 +8,11 @@ instance: blocks the instance already holds cost nothing; every other block goes
 that finishes it earliest given what that source already carries (list scheduling), and the
 estimate is the latest finishing source, ``max_s (rtt_us(i,s) + 8 * bytes_from(s) / rate)``.
 A source's rate is the instance's link rate to it, reduced for each layer range to the tier's
-``read_mbit_per_s``. The functions take ``ReplicaSummary`` (the few members of a Replica Record
-the estimate reads), which an index can keep per record at little cost. A block no reachable source holds ends the usable prefix: Block Keys are
+``read_mbit_per_s``. A block no reachable source holds ends the usable prefix: Block Keys are
 chained, so nothing after it can be used.
+
+The functions take ``ReplicaSummary``: the few members of a Replica Record the estimate reads,
+small enough for an index to keep beside every record.
 """
 
 from __future__ import annotations
