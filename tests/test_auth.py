@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from kvsp.auth import DEVELOPMENT, Principals, Role, authorize, canonical_url, token_sha256
+from kvsp.auth import DEVELOPMENT, Principals, Role, authorize, token_sha256
 from kvsp.core.problems import ConfigurationError, Forbidden, Unauthenticated
+from kvsp.core.urls import canonical_url
 
 SCOPE_A = "aa" * 16
 SCOPE_B = "bb" * 16

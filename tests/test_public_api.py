@@ -11,24 +11,16 @@ import pytest
 
 import kvsp
 
-PUBLIC_MODULES = [
-    "kvsp",
-    "kvsp.auth",
-    "kvsp.cli",
-    "kvsp.core",
-    "kvsp.core.clock",
-    "kvsp.core.compat",
-    "kvsp.core.container",
-    "kvsp.core.cost",
-    "kvsp.core.digests",
-    "kvsp.core.ids",
-    "kvsp.core.keys",
-    "kvsp.core.problems",
-    "kvsp.core.records",
-    "kvsp.core.registries",
-    "kvsp.core.validation",
-]
-CORE = Path(kvsp.__file__).parent / "core"
+PACKAGE = Path(kvsp.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = [p for p in path.relative_to(PACKAGE).with_suffix("").parts if p != "__init__"]
+    return ".".join(["kvsp", *parts])
+
+
+PUBLIC_MODULES = sorted(_module_name(p) for p in PACKAGE.rglob("*.py") if p.name != "__main__.py")
+CORE = PACKAGE / "core"
 FORBIDDEN_IN_CORE = {
     "asyncio",
     "httpx",
@@ -51,14 +43,8 @@ def test_all_is_explicit_and_resolves(name: str) -> None:
     assert not any(attr.startswith("_") and not attr.endswith("__") for attr in exported)
 
 
-def test_every_module_is_listed() -> None:
-    package = Path(kvsp.__file__).parent
-    found = {
-        "kvsp." + ".".join(p.relative_to(package).with_suffix("").parts)
-        for p in package.rglob("*.py")
-        if p.name not in ("__init__.py", "__main__.py")
-    } | {"kvsp", "kvsp.core"}
-    assert found == set(PUBLIC_MODULES)
+def test_packages_are_found() -> None:
+    assert {"kvsp", "kvsp.core", "kvsp.core.keys", "kvsp.cli"} <= set(PUBLIC_MODULES)
 
 
 @pytest.mark.parametrize("path", sorted(CORE.glob("*.py")), ids=lambda p: p.name)

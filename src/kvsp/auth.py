@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from kvsp.core.ids import HEX16_PATTERN
 from kvsp.core.problems import ConfigurationError, Forbidden, Unauthenticated
+from kvsp.core.urls import canonical_url
 
 __all__ = [
     "ANY",
@@ -36,14 +37,12 @@ __all__ = [
     "Principals",
     "Role",
     "authorize",
-    "canonical_url",
     "token_sha256",
 ]
 
 ANY = "*"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _SCOPE = re.compile(HEX16_PATTERN)
-_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 class Role(StrEnum):
@@ -56,22 +55,6 @@ class Role(StrEnum):
 
 def token_sha256(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
-
-
-def canonical_url(url: str) -> str:
-    """One spelling per base URL: lowercase scheme and host, no default port, trailing slash."""
-    parts = urlsplit(url)
-    host = (parts.hostname or "").lower()
-    if ":" in host:
-        host = f"[{host}]"
-    port = parts.port
-    netloc = (
-        host
-        if port is None or port == _DEFAULT_PORTS.get(parts.scheme.lower())
-        else f"{host}:{port}"
-    )
-    path = parts.path if parts.path.endswith("/") else parts.path + "/"
-    return urlunsplit((parts.scheme.lower(), netloc, path, parts.query, ""))
 
 
 @dataclass(frozen=True, slots=True)

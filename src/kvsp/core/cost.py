@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from kvsp.core.container import FIXED_HEADER_OCTETS
 from kvsp.core.records import InstanceStatusRecord, Link, ReplicaRecord
+from kvsp.core.urls import canonical_url
 
 __all__ = [
     "CostBreakdown",
@@ -66,7 +67,8 @@ class TierSpan:
 
 @dataclass(frozen=True, slots=True)
 class ReplicaSummary:
-    """What the cost model needs of a Replica Record, small enough to keep per record."""
+    """What the cost model needs of a Replica Record, small enough to keep per record
+    (``holder`` in canonical form)."""
 
     holder: str
     size: int
@@ -78,7 +80,7 @@ class ReplicaSummary:
     def of(cls, record: ReplicaRecord) -> ReplicaSummary:
         layers = record.layer_count
         return cls(
-            holder=record.holder,
+            holder=canonical_url(record.holder),
             size=record.size,
             layer_count=layers,
             spans=tuple(
@@ -122,8 +124,9 @@ def plan_fetch(
     octets: dict[str, int] = {}
     resident = 0
     usable = 0
+    here = canonical_url(target.instance)
     for index, records in enumerate(matched):
-        if any(r.holder == target.instance for r in records):
+        if any(r.holder == here for r in records):
             resident += 1
             usable += 1
             continue

@@ -25,6 +25,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictFloat,
     StrictInt,
@@ -38,6 +39,7 @@ from kvsp.core.container import replica_digest
 from kvsp.core.ids import HEX16_PATTERN, HEX32_PATTERN
 from kvsp.core.problems import RecordError
 from kvsp.core.registries import CODECS, Tier
+from kvsp.core.urls import canonical_url
 from kvsp.core.validation import parse_model
 
 __all__ = [
@@ -298,6 +300,7 @@ class InstanceStatusRecord(Record):
     links: Annotated[tuple[Link, ...], Field(max_length=1024)] = ()
     requested_state: Literal[InstanceState.SLEEPING] | None = None
     ttl_ms: PositiveInt
+    _links_by_holder: dict[str, Link] | None = PrivateAttr(default=None)
 
     @field_validator("links")
     @classmethod
@@ -307,10 +310,12 @@ class InstanceStatusRecord(Record):
         return value
 
     def link_to(self, holder: str) -> Link | None:
-        for link in self.links:
-            if link.holder == holder:
-                return link
-        return None
+        """The link to ``holder``, whatever spelling of its URL either side uses."""
+        if self._links_by_holder is None:
+            links = {canonical_url(link.holder): link for link in self.links}
+            object.__setattr__(self, "_links_by_holder", links)
+            return links.get(canonical_url(holder))
+        return self._links_by_holder.get(canonical_url(holder))
 
 
 _SAMPLER_PARAMS: dict[str, frozenset[str]] = {
@@ -482,12 +487,16 @@ class LookupRequest(Record):
     compat_id: Hex32
     block_keys: Annotated[tuple[Hex32, ...], Field(max_length=MAX_KEYS_PER_REQUEST)]
     targets: Annotated[tuple[HttpUrl, ...], Field(max_length=256)] | None = None
+    #: extension: tokens per block, so the IS can estimate ``recompute_us``
+    block_tokens: Annotated[StrictInt, Field(ge=1, le=1 << 20)] | None = None
 
 
 class TargetEstimate(Record):
     target: HttpUrl
     fetch_us: NonNegNumber
     recompute_us: NonNegNumber
+    #: extension: matched blocks the target can load (a prefix of ``matched``)
+    fetch_blocks: NonNegInt | None = None
 
 
 class LookupResponse(Record):
