@@ -6,6 +6,7 @@ status 2, whether click rejected the arguments or kvsp rejected the data.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import sys
@@ -17,6 +18,7 @@ import typer
 # typer vendors click; its exceptions are only reachable here (pinned typer range).
 from typer._click.exceptions import ClickException, NoArgsIsHelpError
 
+from kvsp.auth import Principals
 from kvsp.core.compat import CompatibilityDescriptor
 from kvsp.core.container import Container
 from kvsp.core.ids import parse_block_key, parse_compat_id
@@ -40,6 +42,10 @@ container_app = typer.Typer(
     help="Build and inspect KV Block Containers (KVB1).", no_args_is_help=True
 )
 app.add_typer(container_app, name="container")
+index_app = typer.Typer(
+    help="The Index Service (replica records and lookup).", no_args_is_help=True
+)
+app.add_typer(index_app, name="index")
 
 
 def _read_bytes(path: Path, what: str) -> bytes:
@@ -194,6 +200,58 @@ def container_inspect_command(
         "digest": container.digest().hex(),
     }
     typer.echo(json.dumps(doc, indent=2))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _principals(auth: Path | None, host: str) -> Principals:
+    """The principals file, or development mode, which only ever binds to loopback."""
+    if auth is not None:
+        return Principals.load(auth)
+    if not _is_loopback(host):
+        raise InvalidInput("without --auth a service binds to loopback only")
+    sys.stderr.write("kvsp: development mode (no --auth): every request is allowed\n")
+    return Principals.development_mode()
+
+
+@index_app.command("serve")
+def index_serve_command(
+    host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 9100,
+    store: Annotated[
+        str, typer.Option("--store", help="memory, or redis://HOST:PORT/DB to share records")
+    ] = "memory",
+    auth: Annotated[Path | None, typer.Option("--auth", help="principals file (TOML)")] = None,
+    max_ttl_ms: Annotated[int, typer.Option("--max-ttl-ms", min=1)] = 600_000,
+    max_records: Annotated[int, typer.Option("--max-records", min=1)] = 5_000_000,
+    log_level: Annotated[str, typer.Option("--log-level")] = "info",
+) -> None:
+    """Run the Index Service on HOST:PORT under /kvsp/."""
+    import uvicorn
+
+    from kvsp.core.clock import SystemClock
+    from kvsp.index.app import create_app
+    from kvsp.index.service import IndexService
+    from kvsp.index.state import IndexLimits
+    from kvsp.index.stores import open_store
+
+    principals = _principals(auth, host)
+    limits = IndexLimits(max_ttl_ms=max_ttl_ms, max_records=max_records)
+    service = IndexService(open_store(store, limits, SystemClock()))
+    uvicorn.run(
+        create_app(service, principals),
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+    )
 
 
 def _fail(message: str) -> NoReturn:

@@ -25,6 +25,7 @@ status it maps to, so a server never has to invent a status or string-match a me
      +-- Forbidden                          403 kvsp-forbidden
      +-- NotFound                           404 kvsp-not-found
      |    +-- LayersUnavailable             404 kvsp-layers-unavailable
+     +-- MethodNotAllowed                   405 kvsp-method-not-allowed
      +-- StaleEpoch                         409 kvsp-stale-epoch
      +-- IllegalTransition                  409 kvsp-illegal-transition
      +-- AlreadyStored                      412 kvsp-already-stored
@@ -59,6 +60,7 @@ __all__ = [
     "LayerRangeError",
     "LayersUnavailable",
     "LeaseQuotaExceeded",
+    "MethodNotAllowed",
     "NotFound",
     "PayloadTooLarge",
     "RecordError",
@@ -181,6 +183,12 @@ class NotFound(KvspError):
 class LayersUnavailable(NotFound):
     slug = "kvsp-layers-unavailable"
     title = "Requested layers not held"
+
+
+class MethodNotAllowed(KvspError):
+    status = 405
+    slug = "kvsp-method-not-allowed"
+    title = "Method not allowed on this resource"
 
 
 class StaleEpoch(KvspError):

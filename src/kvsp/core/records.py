@@ -268,10 +268,11 @@ class ReplicaRef(Record):
 
 
 class ReplicaBatch(Record):
-    """``POST replicas``: publish and withdraw many records in one request."""
+    """``POST replicas``: publish and withdraw many records in one request (the service
+    bounds the number of entries)."""
 
-    put: Annotated[tuple[ReplicaRecord, ...], Field(max_length=4096)] = ()
-    delete: Annotated[tuple[ReplicaRef, ...], Field(max_length=4096)] = ()
+    put: tuple[ReplicaRecord, ...] = ()
+    delete: tuple[ReplicaRef, ...] = ()
 
 
 class InstanceState(StrEnum):

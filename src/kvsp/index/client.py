@@ -1,0 +1,109 @@
+"""Async client of the Index Service, used by holders, instances and the controller."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from types import TracebackType
+
+import httpx
+
+from kvsp.core.problems import ServiceUnavailable
+from kvsp.core.records import (
+    InstanceStatusRecord,
+    LookupRequest,
+    LookupResponse,
+    ReplicaRecord,
+    ReplicaRef,
+)
+from kvsp.index.state import PublishOutcome
+from kvsp.web.client import auth_headers, raise_for_problem, transport_errors
+from kvsp.web.server import JSON_MEDIA_TYPE
+
+__all__ = ["IndexClient"]
+
+
+class IndexClient:
+    """Talks to one Index Service base URL (ending in ``/kvsp/``) with one bearer token."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        timeout_s: float = 5.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._http = httpx.AsyncClient(
+            base_url=base_url if base_url.endswith("/") else base_url + "/",
+            headers={**auth_headers(token), "content-type": JSON_MEDIA_TYPE},
+            timeout=timeout_s,
+            transport=transport,
+        )
+
+    async def __aenter__(self) -> IndexClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        params: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        try:
+            response = await self._http.request(method, path, content=body, params=params)
+        except transport_errors as exc:
+            raise ServiceUnavailable(f"index service unreachable: {exc!r}") from None
+        raise_for_problem(response)
+        return response
+
+    async def publish(self, record: ReplicaRecord) -> PublishOutcome:
+        path = f"replicas/{record.compat_id}/{record.scope_id}/{record.block_key}"
+        response = await self._send("PUT", path, record.model_dump_json(exclude_none=True).encode())
+        doc = response.json()
+        return PublishOutcome(bool(doc["created"]), int(doc["ttl_ms"]))
+
+    async def withdraw(self, ref: ReplicaRef) -> None:
+        path = f"replicas/{ref.compat_id}/{ref.scope_id}/{ref.block_key}"
+        await self._send("DELETE", path, params={"holder": ref.holder})
+
+    async def batch(
+        self, put: Sequence[ReplicaRecord] = (), delete: Sequence[ReplicaRef] = ()
+    ) -> tuple[list[PublishOutcome], list[bool]]:
+        body = (
+            b'{"put":['
+            + b",".join(r.model_dump_json(exclude_none=True).encode() for r in put)
+            + b'],"delete":'
+            + json.dumps([ref.to_json() for ref in delete]).encode()
+            + b"}"
+        )
+        doc = (await self._send("POST", "replicas", body)).json()
+        return (
+            [PublishOutcome(bool(p["created"]), int(p["ttl_ms"])) for p in doc["put"]],
+            [bool(d["withdrawn"]) for d in doc["delete"]],
+        )
+
+    async def lookup(self, request: LookupRequest) -> LookupResponse:
+        body = request.model_dump_json(exclude_none=True).encode()
+        return LookupResponse.parse((await self._send("POST", "lookup", body)).content)
+
+    async def put_status(self, status: InstanceStatusRecord) -> None:
+        await self._send("PUT", "status", status.model_dump_json(exclude_none=True).encode())
+
+    async def health(self) -> dict[str, str]:
+        doc: dict[str, str] = (await self._send("GET", "healthz")).json()
+        return doc
+
+    async def metrics(self) -> str:
+        return (await self._send("GET", "metrics")).text

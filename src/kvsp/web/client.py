@@ -1,0 +1,45 @@
+"""Client-side HTTP plumbing: problem documents back into kvsp exceptions.
+
+A kvsp client raises the same exception class the server raised (matched by problem type),
+so callers handle a 404 ``kvsp-layers-unavailable`` or a 429 ``kvsp-lease-quota`` the same way
+in process and across the network. A peer that cannot be reached is ``ServiceUnavailable``.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from kvsp.core.problems import PROBLEM_TYPE_BASE, KvspError, ServiceUnavailable, problem_types
+
+__all__ = ["auth_headers", "raise_for_problem", "transport_errors"]
+
+_BY_SLUG = problem_types()
+
+#: httpx errors that mean "the peer is not there right now".
+transport_errors = (httpx.TransportError,)
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    return {} if token is None else {"authorization": f"Bearer {token}"}
+
+
+def raise_for_problem(response: httpx.Response) -> None:
+    """Raise the kvsp exception a non-2xx response stands for."""
+    if response.is_success:
+        return
+    detail = f"{response.request.method} {response.request.url} answered {response.status_code}"
+    cls: type[KvspError] = KvspError
+    extensions = {}
+    try:
+        doc = response.json()
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict):
+        slug = str(doc.get("type", "")).removeprefix(PROBLEM_TYPE_BASE)
+        cls = _BY_SLUG.get(slug, KvspError)
+        detail = str(doc.get("detail", detail))
+        known = {"type", "title", "status", "detail", "instance"}
+        extensions = {k: v for k, v in doc.items() if k not in known}
+    elif response.status_code == 503:
+        cls = ServiceUnavailable
+    raise cls(detail, **extensions)
