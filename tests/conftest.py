@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,3 +26,20 @@ def load_vector(name: str) -> Any:
     if not path.exists():
         pytest.fail(f"test vectors missing: {path} (set KVSP_SHARED to the shared/ folder)")
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """One private redis-server for the session; tests keep apart with their own key prefix."""
+    from tests.servers import RedisServer
+
+    server = RedisServer().start()
+    try:
+        yield server.url
+    finally:
+        server.stop()

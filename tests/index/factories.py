@@ -1,0 +1,70 @@
+"""Records for index tests."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from kvsp.core.records import InstanceStatusRecord, ReplicaRecord, ReplicaRef
+
+COMPAT = "c0" * 32
+SCOPE_A = "a1" * 16
+SCOPE_B = "b2" * 16
+H1 = "http://127.0.0.1:9101/kvsp/"
+H2 = "http://127.0.0.1:9102/kvsp/"
+I1 = "http://127.0.0.1:9201/kvsp/"
+I2 = "http://127.0.0.1:9202/kvsp/"
+LAYERS = 4
+LAYER_OCTETS = 1000
+
+
+def key(n: int) -> str:
+    return hashlib.sha256(b"block %d" % n).hexdigest()
+
+
+def replica(
+    n: int, holder: str = H1, scope: str = SCOPE_A, ttl_ms: int = 60_000, **changes: Any
+) -> ReplicaRecord:
+    doc: dict[str, Any] = {
+        "block_key": key(n),
+        "compat_id": COMPAT,
+        "scope_id": scope,
+        "holder": holder,
+        "codec": 1,
+        "size": 20 + 16 * LAYERS + LAYERS * LAYER_OCTETS,
+        "digest": "sha-256:" + hashlib.sha256(b"%d" % n).hexdigest(),
+        "residency": [{"tier": "host", "layers": [0, LAYERS - 1]}],
+        "ttl_ms": ttl_ms,
+    }
+    doc.update(changes)
+    return ReplicaRecord.parse(doc)
+
+
+def ref(n: int, holder: str = H1, scope: str = SCOPE_A) -> ReplicaRef:
+    return ReplicaRef.parse(
+        {"compat_id": COMPAT, "scope_id": scope, "block_key": key(n), "holder": holder}
+    )
+
+
+def status(
+    instance: str = I1,
+    epoch: int = 1,
+    links: list[dict[str, Any]] | None = None,
+    ttl_ms: int = 60_000,
+    prefill: float = 400,
+) -> InstanceStatusRecord:
+    return InstanceStatusRecord.parse(
+        {
+            "instance": instance,
+            "epoch": epoch,
+            "state": "active",
+            "running": 0,
+            "queued": 0,
+            "batch_size": 8,
+            "kv_utilization": 0.1,
+            "prefill_tokens_per_s": prefill,
+            "decode_tokens_per_s": 15,
+            "links": links if links is not None else [],
+            "ttl_ms": ttl_ms,
+        }
+    )

@@ -1,0 +1,147 @@
+"""One behavioural suite, run against the memory store and the Redis store (real time)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from kvsp.core.clock import SystemClock
+from kvsp.core.problems import CapacityExhausted, ServiceUnavailable, StaleEpoch
+from kvsp.index.state import IndexLimits
+from kvsp.index.stores import MemoryReplicaStore, RedisReplicaStore, ReplicaStore, open_store
+from tests.index.factories import COMPAT, H1, H2, I1, SCOPE_A, SCOPE_B, key, ref, replica, status
+
+pytestmark = pytest.mark.anyio
+
+LIMITS = IndexLimits(max_ttl_ms=2_000, max_records=20)
+
+
+async def _expire(store: ReplicaStore) -> None:
+    if isinstance(store, RedisReplicaStore):
+        await store.expire_due()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest, redis_url: str) -> AsyncIterator[ReplicaStore]:
+    if request.param == "memory":
+        made: ReplicaStore = MemoryReplicaStore(SystemClock(), LIMITS)
+    else:
+        made = RedisReplicaStore(redis_url, LIMITS, prefix=f"t{uuid.uuid4().hex[:8]}:")
+    yield made
+    await made.close()
+
+
+def keys(*ns: int) -> list[str]:
+    return [key(n) for n in ns]
+
+
+async def test_prefix_lookup(store: ReplicaStore) -> None:
+    await store.publish([replica(0), replica(1), replica(3), replica(0, holder=H2)])
+    result = await store.lookup(COMPAT, SCOPE_A, keys(0, 1, 2, 3), [])
+    assert [len(r) for r in result.matched] == [2, 1]
+    assert (await store.lookup(COMPAT, SCOPE_B, keys(0), [])).matched == []
+    served = json.loads(result.matched[1][0].to_json(result.now_ms))
+    assert served["block_key"] == key(1)
+    assert 0 < served["ttl_ms"] <= 2_000
+
+
+async def test_publish_refresh_withdraw(store: ReplicaStore) -> None:
+    first = await store.publish([replica(0), replica(1, ttl_ms=50_000)])
+    assert [o.created for o in first] == [True, True]
+    assert [o.ttl_ms for o in first] == [2_000, 2_000]  # capped
+    again = await store.publish([replica(0)])
+    assert [o.created for o in again] == [False]
+    assert await store.withdraw([ref(0), ref(0), ref(5)]) == [True, False, False]
+    assert (await store.lookup(COMPAT, SCOPE_A, keys(0), [])).matched == []
+    assert await store.counts_by_scope() == {SCOPE_A: 1}
+
+
+async def test_expiry(store: ReplicaStore) -> None:
+    await store.publish([replica(0, ttl_ms=150), replica(1, ttl_ms=150), replica(2)])
+    await asyncio.sleep(0.3)
+    assert (await store.lookup(COMPAT, SCOPE_A, keys(0), [])).matched == []
+    await _expire(store)
+    assert await store.counts_by_scope() == {SCOPE_A: 1}
+    assert await store.expired_total() == 2
+
+
+async def test_refresh_outlives_the_first_deadline(store: ReplicaStore) -> None:
+    await store.publish([replica(0, ttl_ms=300)])
+    await asyncio.sleep(0.2)
+    await store.publish([replica(0, ttl_ms=300)])
+    await asyncio.sleep(0.2)
+    await _expire(store)
+    assert len((await store.lookup(COMPAT, SCOPE_A, keys(0), [])).matched) == 1
+    assert await store.expired_total() == 0
+
+
+async def test_record_limit(store: ReplicaStore) -> None:
+    await store.publish([replica(n) for n in range(18)])
+    with pytest.raises(CapacityExhausted):
+        await store.publish([replica(n) for n in range(18, 21)])
+    assert sum((await store.counts_by_scope()).values()) == 18
+    await store.publish([replica(n) for n in range(16, 20)])  # two refreshes, two new
+    with pytest.raises(CapacityExhausted):
+        await store.publish([replica(20)])
+
+
+async def test_statuses(store: ReplicaStore) -> None:
+    await store.put_status(status(I1, epoch=3))
+    with pytest.raises(StaleEpoch):
+        await store.put_status(status(I1, epoch=2))
+    await store.publish([replica(0)])
+    result = await store.lookup(COMPAT, SCOPE_A, keys(0), [I1, "http://127.0.0.1:1/kvsp/"])
+    assert list(result.statuses) == [I1]
+    assert result.statuses[I1].epoch == 3
+    await store.put_status(status(I1, epoch=4, ttl_ms=100))
+    await asyncio.sleep(0.2)
+    assert (await store.lookup(COMPAT, SCOPE_A, keys(0), [I1])).statuses == {}
+
+
+async def test_summaries_survive_the_store(store: ReplicaStore) -> None:
+    await store.publish([replica(0, holder="HTTP://127.0.0.1:9101/kvsp")])
+    result = await store.lookup(COMPAT, SCOPE_A, keys(0), [])
+    summary = result.matched[0][0].get_summary()
+    assert summary.holder == H1
+    assert summary.complete
+
+
+async def test_two_redis_stores_share_records(redis_url: str) -> None:
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    a = RedisReplicaStore(redis_url, LIMITS, prefix=prefix)
+    b = RedisReplicaStore(redis_url, LIMITS, prefix=prefix)
+    try:
+        await a.publish([replica(0, ttl_ms=150)])
+        assert len((await b.lookup(COMPAT, SCOPE_A, keys(0), [])).matched) == 1
+        await asyncio.sleep(0.3)
+        removed = await asyncio.gather(a.expire_due(), b.expire_due())
+        assert sum(removed) == 1  # expired once, whichever process got there
+        assert await a.expired_total() == 1
+        assert await b.counts_by_scope() == {}
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_an_unreachable_redis_is_503() -> None:
+    from tests.servers import free_port
+
+    store = RedisReplicaStore(f"redis://127.0.0.1:{free_port()}/0", LIMITS)
+    try:
+        with pytest.raises(ServiceUnavailable, match="unreachable"):
+            await store.lookup(COMPAT, SCOPE_A, keys(0), [])
+        with pytest.raises(ServiceUnavailable):
+            await store.ping()
+    finally:
+        await store.close()
+
+
+def test_open_store() -> None:
+    assert open_store("memory", LIMITS, SystemClock()).name == "memory"
+    assert open_store("redis://127.0.0.1:1/0", LIMITS, SystemClock()).name == "redis"
+    with pytest.raises(Exception, match="memory"):
+        open_store("postgres://x", LIMITS, SystemClock())

@@ -1,0 +1,127 @@
+"""Real processes for tests: a redis-server on a free port, and kvsp services."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+KVSP = Path(sys.executable).with_name("kvsp")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_for(check: object, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if check():  # type: ignore[operator]
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} did not come up in {timeout_s} s")
+
+
+class RedisServer:
+    """A private redis-server (no persistence) that tests can stop and start again."""
+
+    def __init__(self, port: int | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed; `make test` installs it")
+        self.binary = binary
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def _ping(self) -> bool:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+
+    def start(self) -> RedisServer:
+        self.process = subprocess.Popen(
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        _wait_for(self._ping, f"redis-server on {self.port}")
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None
+
+
+class Service:
+    """A kvsp service in its own process (``kvsp ARGS...``), stopped with SIGTERM or SIGKILL."""
+
+    def __init__(self, *args: str, port: int | None = None, env: dict[str, str] | None = None):
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}/kvsp/"
+        self.args = [str(KVSP), *args, "--port", str(self.port)]
+        self.env = {**os.environ, **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log = b""
+
+    def start(self, health: str = "healthz") -> Service:
+        self.process = subprocess.Popen(
+            self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env
+        )
+
+        def up() -> bool:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.args} exited: {self.process.stdout.read()!r}")  # type: ignore[union-attr]
+            return httpx.get(self.base_url + health, timeout=1).status_code < 500
+
+        _wait_for(up, " ".join(self.args))
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is not None:
+            self.process.send_signal(sig)
+            try:
+                out, _ = self.process.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                out, _ = self.process.communicate()
+            self.log = out or b""
+            self.process = None
+
+
+@contextlib.contextmanager
+def running(*things: RedisServer | Service) -> Iterator[None]:
+    try:
+        for thing in things:
+            thing.start()
+        yield
+    finally:
+        for thing in reversed(things):
+            thing.stop()
