@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvsp-installed
 SRC    := src tests benchmarks
 
-.PHONY: setup system-deps demo test lint unit
+.PHONY: setup system-deps bench-deps demo test lint bench
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,3 +29,12 @@ lint: setup
 
 test: lint
 	$(VENV)/bin/pytest
+
+bench-deps: setup
+	@command -v wrk >/dev/null 2>&1 || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null; }
+
+bench: bench-deps
+	$(PY) benchmarks/block_keys.py
+	$(PY) benchmarks/container.py
+	$(PY) benchmarks/index_lookup.py

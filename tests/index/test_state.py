@@ -11,10 +11,10 @@ from kvsp.core.clock import ManualClock
 from kvsp.core.problems import CapacityExhausted, Forbidden, RecordError, StaleEpoch
 from kvsp.core.records import LookupRequest, ReplicaRecord
 from kvsp.index.state import (
+    BlockReplicas,
     IndexLimits,
     ReplicaTable,
     StatusTable,
-    StoredReplica,
     authorize_lookup,
     authorize_publish,
     authorize_status,
@@ -70,20 +70,23 @@ def test_scopes_and_compats_are_separate(table: ReplicaTable) -> None:
 def test_records_of_every_holder_are_returned(table: ReplicaTable, clock: ManualClock) -> None:
     table.publish(replica(0, holder=H1))
     table.publish(replica(0, holder=H2))
-    now, found = table.lookup(COMPAT, SCOPE_A, keys(0))
-    holders = sorted(json.loads(r.to_json(now))["holder"] for r in found[0])
+    _, found = table.lookup(COMPAT, SCOPE_A, keys(0))
+    holders = sorted(json.loads(r.json())["holder"] for r in found[0].replicas)
     assert holders == [H1, H2]
+    assert sorted(r["holder"] for r in json.loads(found[0].rendered())) == [H1, H2]
 
 
-def test_served_json_is_the_record_with_the_remaining_ttl(
+def test_served_json_is_the_record_with_the_granted_ttl(
     table: ReplicaTable, clock: ManualClock
 ) -> None:
-    record = replica(0, ttl_ms=5_000)
+    record = replica(0, ttl_ms=50_000)
     table.publish(record)
     clock.advance(1_200)
-    now, found = table.lookup(COMPAT, SCOPE_A, keys(0))
-    served = ReplicaRecord.parse(found[0][0].to_json(now))
-    assert served == record.model_copy(update={"ttl_ms": 3_800})
+    _, found = table.lookup(COMPAT, SCOPE_A, keys(0))
+    served = json.loads(found[0].rendered())
+    assert [ReplicaRecord.parse(r) for r in served] == [
+        record.model_copy(update={"ttl_ms": 10_000})
+    ]
 
 
 def test_expiry_and_ttl_cap(table: ReplicaTable, clock: ManualClock) -> None:
@@ -126,8 +129,8 @@ def test_withdraw(table: ReplicaTable) -> None:
     table.publish(replica(0, holder=H2))
     assert table.withdraw(ref(0, holder=H1))
     assert not table.withdraw(ref(0, holder=H1))
-    now, found = table.lookup(COMPAT, SCOPE_A, keys(0))
-    assert [json.loads(r.to_json(now))["holder"] for r in found[0]] == [H2]
+    _, found = table.lookup(COMPAT, SCOPE_A, keys(0))
+    assert [r["holder"] for r in json.loads(found[0].rendered())] == [H2]
     assert table.counts_by_scope() == {SCOPE_A: 1}
 
 
@@ -154,6 +157,7 @@ def test_expiry_costs_only_the_expired(clock: ManualClock) -> None:
     assert table.expired_total == 1
     # the heap still holds one entry per live record: nothing was scanned or rebuilt
     assert len(table._deadlines) == 5_000
+    assert table.count == 5_000
 
 
 def test_refresh_storm_keeps_the_deadline_heap_bounded(table: ReplicaTable) -> None:
@@ -214,7 +218,7 @@ def test_status_epochs_and_expiry(clock: ManualClock) -> None:
     assert statuses.get("HTTP://127.0.0.1:9201/kvsp") is not None
 
 
-def _stored(table: ReplicaTable, *ns: int) -> list[list[StoredReplica]]:
+def _stored(table: ReplicaTable, *ns: int) -> list[BlockReplicas]:
     return table.lookup(COMPAT, SCOPE_A, keys(*ns))[1]
 
 

@@ -42,11 +42,11 @@ def keys(*ns: int) -> list[str]:
 async def test_prefix_lookup(store: ReplicaStore) -> None:
     await store.publish([replica(0), replica(1), replica(3), replica(0, holder=H2)])
     result = await store.lookup(COMPAT, SCOPE_A, keys(0, 1, 2, 3), [])
-    assert [len(r) for r in result.matched] == [2, 1]
+    assert [len(r.replicas) for r in result.matched] == [2, 1]
     assert (await store.lookup(COMPAT, SCOPE_B, keys(0), [])).matched == []
-    served = json.loads(result.matched[1][0].to_json(result.now_ms))
+    (served,) = json.loads(result.matched[1].rendered())
     assert served["block_key"] == key(1)
-    assert 0 < served["ttl_ms"] <= 2_000
+    assert served["ttl_ms"] == 2_000
 
 
 async def test_publish_refresh_withdraw(store: ReplicaStore) -> None:
@@ -105,7 +105,7 @@ async def test_statuses(store: ReplicaStore) -> None:
 async def test_summaries_survive_the_store(store: ReplicaStore) -> None:
     await store.publish([replica(0, holder="HTTP://127.0.0.1:9101/kvsp")])
     result = await store.lookup(COMPAT, SCOPE_A, keys(0), [])
-    summary = result.matched[0][0].get_summary()
+    summary = result.matched[0].replicas[0].get_summary()
     assert summary.holder == H1
     assert summary.complete
 

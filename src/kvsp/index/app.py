@@ -1,7 +1,9 @@
-"""HTTP adapter of the Index Service (FastAPI): the routes of docs/api.md, nothing else.
+"""HTTP adapter of the Index Service (Starlette): the routes of docs/api.md, nothing else.
 
 Each route authenticates, reads and validates its body or path, and calls ``IndexService``;
-errors become problem documents through ``kvsp.web.server``.
+errors become problem documents through ``kvsp.web.server``. Plain Starlette routes, not
+FastAPI's: kvsp validates bodies with its own record models, and FastAPI's per-request
+dependency machinery cost more than the lookup itself (docs/decisions/0006).
 """
 
 from __future__ import annotations
@@ -10,9 +12,12 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvsp.auth import Principals
 from kvsp.core.ids import parse_block_key, parse_compat_id, parse_scope_id
@@ -27,11 +32,14 @@ from kvsp.core.records import (
 from kvsp.index.service import IndexService
 from kvsp.index.state import check_path
 from kvsp.web.server import (
+    header_value,
     install_problem_handlers,
     json_response,
     parse_json_object,
     principal_of,
+    read_body,
     read_json_body,
+    send_json,
 )
 
 __all__ = ["DEFAULT_MAX_BODY_OCTETS", "MAX_BATCH_ENTRIES", "create_app"]
@@ -44,38 +52,43 @@ MAX_BATCH_ENTRIES = 4096
 BASE = "/kvsp/"
 
 
-def _path_ids(compat: str, scope: str, block_key: str) -> None:
+def _block_path(request: Request) -> tuple[str, str, str]:
+    """The (compat, scope, block_key) of a block resource path, each checked as hex."""
+    params = request.path_params
+    compat, scope, block_key = params["compat"], params["scope"], params["block_key"]
     parse_compat_id(compat)
     parse_scope_id(scope)
     parse_block_key(block_key)
+    return compat, scope, block_key
+
+
+class _AsgiEndpoint:
+    """Marks a coroutine as a bare ASGI endpoint for Starlette's router (which would otherwise
+    wrap a function in request and response objects)."""
+
+    def __init__(self, handler: ASGIApp) -> None:
+        self._handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._handler(scope, receive, send)
 
 
 def create_app(
     service: IndexService,
     principals: Principals,
     max_body_octets: int = DEFAULT_MAX_BODY_OCTETS,
-) -> FastAPI:
+) -> Starlette:
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
         await service.store.start()
         try:
             yield
         finally:
             await service.store.close()
 
-    app = FastAPI(
-        title="kvsp Index Service",
-        lifespan=lifespan,
-        docs_url=None,
-        redoc_url=None,
-        openapi_url=None,
-    )
-    install_problem_handlers(app, log, lambda slug: service.metrics.rejected.labels(slug).inc())
-
-    @app.put(BASE + "replicas/{compat}/{scope}/{block_key}")
-    async def publish(compat: str, scope: str, block_key: str, request: Request) -> Response:
+    async def publish(request: Request) -> Response:
+        compat, scope, block_key = _block_path(request)
         principal = principal_of(request, principals)
-        _path_ids(compat, scope, block_key)
         record = ReplicaRecord.parse(await read_json_body(request, max_body_octets))
         check_path(record, compat, scope, block_key)
         (outcome,) = await service.publish(principal, [record])
@@ -85,10 +98,9 @@ def create_app(
         )
         return json_response(body, 201 if outcome.created else 200)
 
-    @app.delete(BASE + "replicas/{compat}/{scope}/{block_key}")
-    async def withdraw(compat: str, scope: str, block_key: str, request: Request) -> Response:
+    async def withdraw(request: Request) -> Response:
+        compat, scope, block_key = _block_path(request)
         principal = principal_of(request, principals)
-        _path_ids(compat, scope, block_key)
         holder = request.query_params.get("holder")
         if holder is None:
             raise RecordError("DELETE needs ?holder=URL naming the replica's holder")
@@ -100,7 +112,6 @@ def create_app(
             raise NotFound("no such replica record")
         return Response(status_code=204)
 
-    @app.post(BASE + "replicas")
     async def batch(request: Request) -> Response:
         principal = principal_of(request, principals)
         doc = parse_json_object(await read_json_body(request, max_body_octets))
@@ -109,27 +120,38 @@ def create_app(
             raise PayloadTooLarge(f"{entries} entries; a batch holds at most {MAX_BATCH_ENTRIES}")
         return json_response(await service.batch(principal, ReplicaBatch.parse(doc)))
 
-    @app.post(BASE + "lookup")
-    async def lookup(request: Request) -> Response:
-        principal = principal_of(request, principals)
-        parsed = LookupRequest.parse(await read_json_body(request, max_body_octets))
-        return json_response(await service.lookup(principal, parsed))
+    async def lookup(scope: Scope, receive: Receive, send: Send) -> None:
+        """The hottest route, as a bare ASGI endpoint: no request or response objects."""
+        principal = principals.authenticate(header_value(scope, b"authorization"))
+        parsed = LookupRequest.parse(await read_body(scope, receive, max_body_octets))
+        await send_json(send, await service.lookup(principal, parsed))
 
-    @app.put(BASE + "status")
     async def status(request: Request) -> Response:
         principal = principal_of(request, principals)
         parsed = InstanceStatusRecord.parse(await read_json_body(request, max_body_octets))
         await service.put_status(principal, parsed)
         return json_response(b'{"accepted":true}')
 
-    @app.get(BASE + "healthz")
-    async def healthz() -> Response:
+    async def healthz(_: Request) -> Response:
         await service.store.ping()
         return json_response(b'{"status":"ok","store":"%s"}' % service.store.name.encode())
 
-    @app.get(BASE + "metrics")
-    async def metrics() -> Response:
+    async def metrics(_: Request) -> Response:
         await service.refresh_gauges()
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    block = BASE + "replicas/{compat}/{scope}/{block_key}"
+    app = Starlette(
+        routes=[
+            Route(block, publish, methods=["PUT"]),
+            Route(block, withdraw, methods=["DELETE"]),
+            Route(BASE + "replicas", batch, methods=["POST"]),
+            Route(BASE + "lookup", _AsgiEndpoint(lookup), methods=["POST"]),
+            Route(BASE + "status", status, methods=["PUT"]),
+            Route(BASE + "healthz", healthz, methods=["GET"]),
+            Route(BASE + "metrics", metrics, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+    install_problem_handlers(app, log, lambda slug: service.metrics.rejected.labels(slug).inc())
     return app

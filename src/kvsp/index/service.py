@@ -7,11 +7,19 @@ the hot path never builds a pydantic model per record.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from kvsp.auth import Principal
 from kvsp.core.records import (
@@ -28,12 +36,51 @@ from kvsp.index.state import (
     authorize_status,
     authorize_withdraw,
     estimate_targets,
+    render_blocks,
 )
 from kvsp.index.stores import ReplicaStore
 
 __all__ = ["IndexMetrics", "IndexService"]
 
 _MATCHED_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
+
+
+class _LookupStats:
+    """Lookup counters kept as plain integers (a lookup is too cheap to pay for locked metric
+    objects) and exported when Prometheus scrapes."""
+
+    def __init__(self) -> None:
+        self.lookups = 0
+        self.asked = 0
+        self.hits = 0
+        self.buckets = [0] * (len(_MATCHED_BUCKETS) + 1)
+
+    def observe(self, asked: int, matched: int) -> None:
+        self.lookups += 1
+        self.asked += asked
+        self.hits += matched
+        self.buckets[bisect.bisect_left(_MATCHED_BUCKETS, matched)] += 1
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("kvsp_index_lookups", "Lookups answered", value=self.lookups)
+        yield CounterMetricFamily(
+            "kvsp_index_lookup_keys", "Block keys asked for", value=self.asked
+        )
+        cumulative = list(itertools.accumulate(self.buckets))
+        yield HistogramMetricFamily(
+            "kvsp_index_lookup_matched_blocks",
+            "Matched blocks per lookup",
+            buckets=[
+                *((str(float(b)), c) for b, c in zip(_MATCHED_BUCKETS, cumulative, strict=False)),
+                ("+Inf", cumulative[-1]),
+            ],
+            sum_value=self.hits,
+        )
+        yield GaugeMetricFamily(
+            "kvsp_index_hit_ratio",
+            "Matched block keys / block keys asked for, since start",
+            value=self.hits / self.asked if self.asked else 0.0,
+        )
 
 
 @dataclass
@@ -51,35 +98,17 @@ class IndexMetrics:
             "kvsp_index_publishes", "Records published", ["result"], registry=r
         )
         self.withdrawals = Counter("kvsp_index_withdrawals", "Records withdrawn", registry=r)
-        self.lookups = Counter("kvsp_index_lookups", "Lookups answered", registry=r)
-        self.lookup_keys = Counter("kvsp_index_lookup_keys", "Block keys asked for", registry=r)
-        self.matched = Histogram(
-            "kvsp_index_lookup_matched_blocks",
-            "Matched blocks per lookup",
-            buckets=_MATCHED_BUCKETS,
-            registry=r,
-        )
-        self.hit_ratio = Gauge(
-            "kvsp_index_hit_ratio",
-            "Matched block keys / block keys asked for, since start",
-            registry=r,
-        )
         self.expired = Gauge(
             "kvsp_index_expired_records", "Records removed because their TTL passed", registry=r
         )
         self.rejected = Counter(
-            "kvsp_index_rejected_requests", "Requests answered with a problem", ["type"], registry=r
+            "kvsp_index_rejected_requests",
+            "Requests answered with a problem",
+            ["type"],
+            registry=r,
         )
-        self._asked = 0
-        self._hits = 0
-
-    def observe_lookup(self, asked: int, matched: int) -> None:
-        self.lookups.inc()
-        self.lookup_keys.inc(asked)
-        self.matched.observe(matched)
-        self._asked += asked
-        self._hits += matched
-        self.hit_ratio.set(self._hits / self._asked if self._asked else 0.0)
+        self.lookups = _LookupStats()
+        r.register(self.lookups)
 
 
 class IndexService:
@@ -126,12 +155,8 @@ class IndexService:
             request.compat_id, request.scope_id, request.block_keys, targets
         )
         matched = result.matched
-        self.metrics.observe_lookup(len(request.block_keys), len(matched))
-        now = result.now_ms
-        replicas = b",".join(
-            b"[" + b",".join(r.to_json(now) for r in replica_list) + b"]"
-            for replica_list in matched
-        )
+        self.metrics.lookups.observe(len(request.block_keys), len(matched))
+        replicas = render_blocks(matched)
         estimates = estimate_targets(targets, result.statuses, matched, request.block_tokens)
         estimates_json = ",".join(e.model_dump_json(exclude_none=True) for e in estimates)
         return b'{"matched":%d,"replicas":[%s],"estimates":[%s]}' % (

@@ -1,11 +1,11 @@
 """Index Service state, pure and Clock-injected: replica records with TTLs, prefix lookup,
 instance statuses with epoch rules, and who may do what (KVSP 6.1, 6.2, 6.3, 6.4).
 
-Records are kept as the JSON the IS serves (without ``ttl_ms``, which is the *remaining* TTL
-and is appended when a lookup answers) plus a ``ReplicaSummary`` for estimates, so a lookup
-never re-serialises a record and a record costs a few hundred octets. Expiry pops a heap of
-deadlines, so it costs O(expired), never a scan; refreshes leave stale heap entries behind,
-which are skipped when popped and compacted away when they outnumber the live ones.
+Records are kept as the JSON the IS serves (with ``ttl_ms`` the TTL granted at the last
+publish or refresh) plus a shared ``ReplicaSummary`` for estimates; each block caches the JSON
+array of its replicas, so a lookup joins ready octets and never serialises a record. Expiry pops
+a heap of deadlines, so it costs O(expired), never a scan; refreshes leave stale heap entries
+behind, which are skipped when popped and compacted away when they outnumber the live ones.
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ __all__ = [
     "LOOKUP_ROLES",
     "PUBLISH_ROLES",
     "STATUS_ROLES",
-    "BlockId",
+    "BlockReplicas",
     "IndexLimits",
     "PublishOutcome",
     "ReplicaTable",
+    "Space",
     "StatusTable",
     "StoredReplica",
     "authorize_lookup",
@@ -44,15 +45,14 @@ __all__ = [
     "authorize_withdraw",
     "check_path",
     "estimate_targets",
-    "record_body",
+    "identity_prefix",
+    "record_tail",
+    "render_blocks",
 ]
 
 PUBLISH_ROLES = (Role.HOLDER, Role.INSTANCE)
 LOOKUP_ROLES = (Role.CONTROLLER, Role.INSTANCE, Role.HOLDER, Role.CLIENT)
 STATUS_ROLES = (Role.INSTANCE, Role.CONTROLLER)
-
-#: (compat_id, scope_id, block_key), lowercase hex.
-BlockId = tuple[str, str, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,32 +70,111 @@ class PublishOutcome:
     ttl_ms: int
 
 
-def record_body(record: ReplicaRecord) -> bytes:
-    """The record's JSON without ``ttl_ms`` and without the closing brace; ``ttl_ms`` (the
-    remaining TTL) is appended when the record is served."""
-    return (
-        record.model_copy(update={"ttl_ms": None})
-        .model_dump_json(by_alias=True, exclude_none=True)
-        .encode()[:-1]
+Space = tuple[str, str]
+"""(compat_id, scope_id): the Block Keys of one space never collide with another's."""
+
+
+def identity_prefix(space: Space, block_key: str) -> bytes:
+    """How the JSON of every record of a block begins (its identity members, in model order)."""
+    compat, scope = space
+    return b'{"block_key":"%s","compat_id":"%s","scope_id":"%s",' % (
+        block_key.encode(),
+        compat.encode(),
+        scope.encode(),
     )
 
 
-@dataclass(slots=True)
+def record_tail(record: ReplicaRecord, ttl_ms: int) -> bytes:
+    """The record's served JSON (with the granted, capped ``ttl_ms``) after its identity
+    members, which the block supplies: stores keep only this tail."""
+    full = (
+        record.model_copy(update={"ttl_ms": ttl_ms})
+        .model_dump_json(by_alias=True, exclude_none=True)
+        .encode()
+    )
+    prefix = identity_prefix((record.compat_id, record.scope_id), record.block_key)
+    if not full.startswith(prefix):  # pragma: no cover - guards the member order of the model
+        raise AssertionError("ReplicaRecord no longer serialises its identity members first")
+    return full[len(prefix) :]
+
+
 class StoredReplica:
-    """One record as stored: its deadline on the store's clock, its served JSON, its summary."""
+    """One record as stored: where it belongs, its holder (canonical), its deadline on the
+    store's clock, the tail of its served JSON, and its cost summary (parsed on first use when
+    the store has none). Replicas order by deadline, so the expiry heap holds them directly."""
 
-    expires_at: int
-    body: bytes
-    summary: ReplicaSummary | None = None
+    __slots__ = ("block_key", "expires_at", "holder", "space", "summary", "tail")
 
-    def to_json(self, now_ms: int) -> bytes:
-        remaining = max(self.expires_at - now_ms, 1)
-        return self.body + b',"ttl_ms":%d}' % remaining
+    def __init__(
+        self,
+        space: Space,
+        block_key: str,
+        holder: str,
+        expires_at: int,
+        tail: bytes,
+        summary: ReplicaSummary | None = None,
+    ) -> None:
+        self.space = space
+        self.block_key = block_key
+        self.holder = holder
+        self.expires_at = expires_at
+        self.tail = tail
+        self.summary = summary
+
+    def __lt__(self, other: StoredReplica) -> bool:
+        return self.expires_at < other.expires_at
+
+    def json(self) -> bytes:
+        return identity_prefix(self.space, self.block_key) + self.tail
 
     def get_summary(self) -> ReplicaSummary:
         if self.summary is None:
-            self.summary = ReplicaSummary.of(ReplicaRecord.parse(self.to_json(0)))
+            self.summary = ReplicaSummary.of(ReplicaRecord.parse(self.json()))
         return self.summary
+
+
+class BlockReplicas:
+    """The live replicas of one block and, cached, the JSON array a lookup serves for it."""
+
+    __slots__ = ("_rendered", "replicas")
+
+    def __init__(self, replicas: tuple[StoredReplica, ...]) -> None:
+        self.replicas = replicas
+        self._rendered: bytes | None = None
+
+    def rendered(self) -> bytes:
+        if self._rendered is None:
+            first = self.replicas[0]
+            prefix = identity_prefix(first.space, first.block_key)
+            self._rendered = b"[" + b",".join(prefix + r.tail for r in self.replicas) + b"]"
+        return self._rendered
+
+    def find(self, holder: str) -> StoredReplica | None:
+        for replica in self.replicas:
+            if replica.holder == holder:
+                return replica
+        return None
+
+    def put(self, replica: StoredReplica) -> bool:
+        """Add or replace the holder's replica; True if it is new."""
+        others = tuple(r for r in self.replicas if r.holder != replica.holder)
+        created = len(others) == len(self.replicas)
+        self.replicas = (*others, replica)
+        self._rendered = None
+        return created
+
+    def remove(self, holder: str) -> bool:
+        kept = tuple(r for r in self.replicas if r.holder != holder)
+        if len(kept) == len(self.replicas):
+            return False
+        self.replicas = kept
+        self._rendered = None
+        return True
+
+
+def render_blocks(blocks: Sequence[BlockReplicas]) -> bytes:
+    """The ``replicas`` member of a lookup answer: one JSON array per matched block."""
+    return b",".join([b._rendered or b.rendered() for b in blocks])
 
 
 def check_path(record: ReplicaRecord, compat: str, scope: str, block_key: str) -> None:
@@ -127,8 +206,11 @@ class ReplicaTable:
     def __init__(self, clock: Clock, limits: IndexLimits) -> None:
         self._clock = clock
         self._limits = limits
-        self._blocks: dict[BlockId, dict[str, StoredReplica]] = {}
-        self._deadlines: list[tuple[int, BlockId, str]] = []
+        # (compat, scope) -> block_key -> replicas: a lookup resolves its space once.
+        self._spaces: dict[Space, dict[str, BlockReplicas]] = {}
+        self._deadlines: list[StoredReplica] = []
+        self._summaries: dict[ReplicaSummary, ReplicaSummary] = {}
+        self._space_names: dict[Space, Space] = {}
         self._by_scope: dict[str, int] = {}
         self._count = 0
         self.expired_total = 0
@@ -142,6 +224,10 @@ class ReplicaTable:
         self.expire()
         return dict(self._by_scope)
 
+    def _block(self, space: Space, block_key: str) -> BlockReplicas | None:
+        blocks = self._spaces.get(space)
+        return None if blocks is None else blocks.get(block_key)
+
     def publish(self, record: ReplicaRecord) -> PublishOutcome:
         """Store or refresh (same record, new deadline) one record; 507 past the limit."""
         return self.publish_many([record])[0]
@@ -149,12 +235,12 @@ class ReplicaTable:
     def publish_many(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]:
         """Publish a batch atomically: either every record is stored or none is."""
         now = self.expire()
-        new = {
-            (r.compat_id, r.scope_id, r.block_key, canonical_url(r.holder))
-            for r in records
-            if canonical_url(r.holder)
-            not in self._blocks.get((r.compat_id, r.scope_id, r.block_key), {})
-        }
+        new = set()
+        for r in records:
+            holder = canonical_url(r.holder)
+            block = self._block((r.compat_id, r.scope_id), r.block_key)
+            if block is None or block.find(holder) is None:
+                new.add((r.compat_id, r.scope_id, r.block_key, holder))
         if self._count + len(new) > self._limits.max_records:
             raise CapacityExhausted(
                 f"the index holds {self._count} records; {len(new)} more would pass the limit "
@@ -164,13 +250,27 @@ class ReplicaTable:
 
     def _store(self, record: ReplicaRecord, now: int) -> PublishOutcome:
         ttl = min(record.ttl_ms, self._limits.max_ttl_ms)
-        block: BlockId = (record.compat_id, record.scope_id, record.block_key)
-        holder = sys.intern(canonical_url(record.holder))
-        holders = self._blocks.setdefault(block, {})
-        created = holder not in holders
-        deadline = now + ttl
-        holders[holder] = StoredReplica(deadline, record_body(record), ReplicaSummary.of(record))
-        heapq.heappush(self._deadlines, (deadline, block, holder))
+        named = (record.compat_id, record.scope_id)
+        space = self._space_names.setdefault(named, named)  # one tuple per space, shared
+        blocks = self._spaces.setdefault(space, {})
+        summary = ReplicaSummary.of(record)
+        summary = self._summaries.setdefault(summary, summary)  # shared by equal summaries
+        block = blocks.get(record.block_key)
+        if block is None:
+            block = blocks[record.block_key] = BlockReplicas(())
+            block_key = record.block_key
+        else:
+            block_key = block.replicas[0].block_key  # the dict's own key object, shared
+        replica = StoredReplica(
+            space,
+            block_key,
+            sys.intern(canonical_url(record.holder)),
+            now + ttl,
+            record_tail(record, ttl),
+            summary,
+        )
+        created = block.put(replica)
+        heapq.heappush(self._deadlines, replica)
         if created:
             self._count += 1
             self._by_scope[record.scope_id] = self._by_scope.get(record.scope_id, 0) + 1
@@ -180,16 +280,19 @@ class ReplicaTable:
 
     def withdraw(self, ref: ReplicaRef) -> bool:
         self.expire()
-        return self._remove((ref.compat_id, ref.scope_id, ref.block_key), canonical_url(ref.holder))
+        return self._remove((ref.compat_id, ref.scope_id), ref.block_key, canonical_url(ref.holder))
 
-    def _remove(self, block: BlockId, holder: str) -> bool:
-        holders = self._blocks.get(block)
-        if holders is None or holders.pop(holder, None) is None:
+    def _remove(self, space: Space, block_key: str, holder: str) -> bool:
+        blocks = self._spaces.get(space)
+        block = None if blocks is None else blocks.get(block_key)
+        if blocks is None or block is None or not block.remove(holder):
             return False
-        if not holders:
-            del self._blocks[block]
+        if not block.replicas:
+            del blocks[block_key]
+            if not blocks:
+                del self._spaces[space]
         self._count -= 1
-        scope = block[1]
+        scope = space[1]
         remaining = self._by_scope[scope] - 1
         if remaining:
             self._by_scope[scope] = remaining
@@ -201,33 +304,37 @@ class ReplicaTable:
         """Drop every record past its deadline; returns the clock reading used."""
         now = self._clock.now_ms()
         deadlines = self._deadlines
-        while deadlines and deadlines[0][0] <= now:
-            deadline, block, holder = heapq.heappop(deadlines)
-            stored = self._blocks.get(block, {}).get(holder)
-            if stored is not None and stored.expires_at == deadline and self._remove(block, holder):
+        while deadlines and deadlines[0].expires_at <= now:
+            due = heapq.heappop(deadlines)
+            block = self._block(due.space, due.block_key)
+            # a refresh replaced the replica object: this heap entry is stale
+            if block is not None and block.find(due.holder) is due:
+                self._remove(due.space, due.block_key, due.holder)
                 self.expired_total += 1
         return now
 
     def _compact(self) -> None:
         self._deadlines = [
-            (stored.expires_at, block, holder)
-            for block, holders in self._blocks.items()
-            for holder, stored in holders.items()
+            replica
+            for blocks in self._spaces.values()
+            for block in blocks.values()
+            for replica in block.replicas
         ]
         heapq.heapify(self._deadlines)
 
     def lookup(
         self, compat: str, scope: str, block_keys: Iterable[str]
-    ) -> tuple[int, list[list[StoredReplica]]]:
+    ) -> tuple[int, list[BlockReplicas]]:
         """Replicas of the leading keys that have any, stopping at the first key without one."""
         now = self.expire()
-        found: list[list[StoredReplica]] = []
-        for key in block_keys:
-            holders = self._blocks.get((compat, scope, key))
-            if not holders:
-                break
-            found.append(list(holders.values()))
-        return now, found
+        blocks = self._spaces.get((compat, scope))
+        if blocks is None:
+            return now, []
+        found = list(map(blocks.get, block_keys))  # a request is bounded; no early exit needed
+        try:
+            return now, found[: found.index(None)]  # type: ignore[return-value]
+        except ValueError:
+            return now, found  # type: ignore[return-value]
 
 
 class StatusTable:
@@ -258,7 +365,7 @@ class StatusTable:
 def estimate_targets(
     targets: Sequence[str],
     statuses: Mapping[str, InstanceStatusRecord],
-    matched: Sequence[Sequence[StoredReplica]],
+    matched: Sequence[BlockReplicas],
     block_tokens: int | None,
 ) -> list[TargetEstimate]:
     """``fetch_us`` and ``recompute_us`` for each target the IS knows (KVSP 6.2, 6.4).
@@ -269,7 +376,7 @@ def estimate_targets(
     """
     if block_tokens is None:
         return []
-    summaries = [[replica.get_summary() for replica in replicas] for replicas in matched]
+    summaries = [[replica.get_summary() for replica in block.replicas] for block in matched]
     out = []
     for target in targets:
         status = statuses.get(canonical_url(target))

@@ -6,8 +6,9 @@ Both stores answer the same async interface (``ReplicaStore``) and the same beha
 **Redis layout** (every key in one hash slot per script, so it runs on Redis Cluster too):
 
 - ``{p}r:{<compat>:<scope>:<block_key>}``: a hash per block, one field per holder (canonical
-  URL), value ``<deadline_ms>|<record JSON without ttl_ms and closing brace>``. All replicas
-  of a block live in one slot; the keys of a prompt spread over slots.
+  URL), value ``<deadline_ms>|<record JSON as served, after the identity members>`` (the
+  block supplies those). All replicas of a block live in one slot; the keys of a prompt spread
+  over slots.
 - ``{p}x:{<scope>}``: a sorted set per scope, member ``<compat>:<block_key>:<holder>``, score the
   deadline: the expiry queue, and the per-scope record count.
 - ``{p}scopes`` (set of scope ids), ``{p}count`` (records), ``{p}expired`` (records expired).
@@ -41,12 +42,13 @@ from kvsp.core.problems import CapacityExhausted, InvalidInput, ServiceUnavailab
 from kvsp.core.records import InstanceStatusRecord, ReplicaRecord, ReplicaRef
 from kvsp.core.urls import canonical_url
 from kvsp.index.state import (
+    BlockReplicas,
     IndexLimits,
     PublishOutcome,
     ReplicaTable,
     StatusTable,
     StoredReplica,
-    record_body,
+    record_tail,
 )
 
 __all__ = [
@@ -65,7 +67,7 @@ class LookupResult:
     """Replicas of the matched prefix, the store clock reading, and the targets' statuses."""
 
     now_ms: int
-    matched: list[list[StoredReplica]]
+    matched: list[BlockReplicas]
     statuses: dict[str, InstanceStatusRecord]
 
 
@@ -256,7 +258,9 @@ class RedisReplicaStore:
         ttls = [min(r.ttl_ms, self._limits.max_ttl_ms) for r in records]
         for record, holder, ttl in zip(records, holders, ttls, strict=True):
             block = self._block(record.compat_id, record.scope_id, record.block_key)
-            await self._publish(keys=[block], args=[holder, ttl, record_body(record)], client=pipe)
+            await self._publish(
+                keys=[block], args=[holder, ttl, record_tail(record, ttl)], client=pipe
+            )
         results = await self._run(pipe)
         created = [bool(r[0]) for r in results]
         queue = self._redis.pipeline(transaction=False)
@@ -295,16 +299,19 @@ class RedisReplicaStore:
         results = await self._run(pipe)
         seconds, micros = results[0]
         now = int(seconds) * 1000 + int(micros) // 1000
-        matched: list[list[StoredReplica]] = []
-        for fields in results[1 : 1 + len(block_keys)]:
+        matched: list[BlockReplicas] = []
+        space = (compat, scope)
+        for block_key, fields in zip(block_keys, results[1 : 1 + len(block_keys)], strict=True):
             live = []
-            for value in fields.values():
-                deadline, _, body = value.partition(b"|")
+            for holder, value in fields.items():
+                deadline, _, tail = value.partition(b"|")
                 if int(deadline) > now:
-                    live.append(StoredReplica(int(deadline), body))
+                    live.append(
+                        StoredReplica(space, block_key, holder.decode(), int(deadline), tail)
+                    )
             if not live:
                 break
-            matched.append(live)
+            matched.append(BlockReplicas(tuple(live)))
         statuses = {}
         for target, (record, deadline) in zip(targets, results[1 + len(block_keys) :], strict=True):
             if record is not None and deadline is not None and int(deadline) > now:

@@ -1,4 +1,4 @@
-"""Server-side HTTP plumbing every kvsp service shares (FastAPI/Starlette).
+"""Server-side HTTP plumbing every kvsp service shares (Starlette).
 
 - Errors: every ``KvspError`` becomes its RFC 9457 document with its status; routing errors
   (404/405) become problem documents too; anything unexpected is logged with its traceback
@@ -15,9 +15,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from kvsp.auth import Principal, Principals
 from kvsp.core.problems import (
@@ -33,11 +35,14 @@ from kvsp.core.problems import (
 __all__ = [
     "JSON_MEDIA_TYPE",
     "PROBLEM_MEDIA_TYPE",
+    "header_value",
     "install_problem_handlers",
     "json_response",
     "parse_json_object",
     "principal_of",
+    "read_body",
     "read_json_body",
+    "send_json",
 ]
 
 JSON_MEDIA_TYPE = "application/kvsp+json"
@@ -59,7 +64,7 @@ def _problem(error: KvspError, request: Request) -> JSONResponse:
 
 
 def install_problem_handlers(
-    app: FastAPI, log: logging.Logger, on_reject: Callable[[str], None]
+    app: Starlette, log: logging.Logger, on_reject: Callable[[str], None]
 ) -> None:
     """Map every error to a problem document; log each once; report its type to ``on_reject``."""
 
@@ -99,22 +104,58 @@ def install_problem_handlers(
     app.add_exception_handler(Exception, unexpected)
 
 
-async def read_json_body(request: Request, max_octets: int) -> bytes:
-    """The request body, if it is JSON of an accepted type and at most ``max_octets``."""
-    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+def header_value(scope: Scope, name: bytes) -> str | None:
+    """A request header from an ASGI scope (``name`` in lowercase)."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+async def read_body(scope: Scope, receive: Receive, max_octets: int) -> bytes:
+    """The request body, if it is JSON of an accepted type and at most ``max_octets``.
+
+    Works on the ASGI primitives so that the hottest routes can skip request objects.
+    """
+    media_type = (header_value(scope, b"content-type") or "").split(";")[0].strip().lower()
     if media_type not in _ACCEPTED_TYPES:
         raise UnsupportedMediaType(
             f"content type {media_type or '(none)'!r} is not {JSON_MEDIA_TYPE}"
         )
-    declared = request.headers.get("content-length")
+    declared = header_value(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_octets:
         raise PayloadTooLarge(f"body of {declared} octets is above the {max_octets}-octet limit")
-    body = bytearray()
-    async for chunk in request.stream():
+    body = b""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise InvalidInput("the client went away before sending its body")
+        chunk: bytes = message.get("body", b"")
         body += chunk
         if len(body) > max_octets:
             raise PayloadTooLarge(f"body is above the {max_octets}-octet limit")
-    return bytes(body)
+        if not message.get("more_body", False):
+            return body
+
+
+async def read_json_body(request: Request, max_octets: int) -> bytes:
+    """``read_body`` for a Starlette request."""
+    return await read_body(request.scope, request.receive, max_octets)
+
+
+async def send_json(send: Send, body: bytes, status: int = 200) -> None:
+    """Answer with an already serialised JSON body, straight on the ASGI channel."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", JSON_MEDIA_TYPE.encode()),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -130,4 +171,4 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 
 def principal_of(request: Request, principals: Principals) -> Principal:
     """The authenticated principal of ``request`` (401 if the token is missing or unknown)."""
-    return principals.authenticate(request.headers.get("authorization"))
+    return principals.authenticate(header_value(request.scope, b"authorization"))
