@@ -34,6 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import uvicorn
+from tests.servers import RedisServer, free_port
 
 from kvsp.auth import Principals
 from kvsp.core.clock import SystemClock
@@ -42,7 +43,6 @@ from kvsp.index.app import create_app
 from kvsp.index.service import IndexService
 from kvsp.index.state import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore, RedisReplicaStore
-from tests.servers import RedisServer, free_port
 
 PROMPT_BLOCKS = 64
 COMPAT = "c0" * 32

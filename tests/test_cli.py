@@ -248,3 +248,12 @@ def test_module_entry_point() -> None:
         check=False,
     )
     assert result.stdout.strip() == SCOPE_HEX
+
+
+def test_index_serve_rejections(tmp_path: Path) -> None:
+    fails("index", "serve", "--host", "0.0.0.0", "--port", "0", match="loopback only")
+    fails("index", "serve", "--store", "postgres://db", "--port", "0", match="redis:// URL")
+    fails("index", "serve", "--auth", str(tmp_path / "none.toml"), match="cannot read principals")
+    bad = tmp_path / "p.toml"
+    bad.write_text("[principals.a]\nroles = ['holder']\n")
+    fails("index", "serve", "--auth", str(bad), match="token_sha256")

@@ -242,9 +242,10 @@ def index_serve_command(
     from kvsp.index.state import IndexLimits
     from kvsp.index.stores import open_store
 
-    principals = _principals(auth, host)
     limits = IndexLimits(max_ttl_ms=max_ttl_ms, max_records=max_records)
-    service = IndexService(open_store(store, limits, SystemClock()))
+    replica_store = open_store(store, limits, SystemClock())
+    principals = _principals(auth, host)
+    service = IndexService(replica_store)
     uvicorn.run(
         create_app(service, principals),
         host=host,
