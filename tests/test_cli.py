@@ -170,60 +170,27 @@ def test_container_build_and_inspect(tmp_path: Path) -> None:
 
 
 def test_container_rejections(tmp_path: Path) -> None:
-    section = tmp_path / "s"
-    section.write_bytes(bytes(8))
+    section = str(tmp_path / "s")
+    Path(section).write_bytes(bytes(8))
+
+    def build(tokens: str, out: Path, *sections: str) -> list[str]:
+        return [
+            "container",
+            "build",
+            "--first-layer",
+            "0",
+            "--token-count",
+            tokens,
+            "--out",
+            str(out),
+            *sections,
+        ]
+
     out = tmp_path / "o"
-    fails(
-        "container",
-        "build",
-        "--first-layer",
-        "0",
-        "--token-count",
-        "1",
-        "--out",
-        str(out),
-        str(section),
-        match="K V pairs",
-    )
-    fails(
-        "container",
-        "build",
-        "--first-layer",
-        "0",
-        "--token-count",
-        "3",
-        "--out",
-        str(out),
-        str(section),
-        str(section),
-        match="whole number",
-    )
-    fails(
-        "container",
-        "build",
-        "--first-layer",
-        "0",
-        "--token-count",
-        "1",
-        "--out",
-        str(out),
-        str(section),
-        str(tmp_path / "missing"),
-        match="cannot read section",
-    )
-    fails(
-        "container",
-        "build",
-        "--first-layer",
-        "0",
-        "--token-count",
-        "1",
-        "--out",
-        str(tmp_path / "no" / "dir"),
-        str(section),
-        str(section),
-        match="cannot write",
-    )
+    fails(*build("1", out, section), match="K V pairs")
+    fails(*build("3", out, section, section), match="whole number")
+    fails(*build("1", out, section, str(tmp_path / "missing")), match="cannot read section")
+    fails(*build("1", tmp_path / "no" / "dir", section, section), match="cannot write")
     garbage = tmp_path / "g"
     garbage.write_bytes(b"KVB1" + bytes(30))
     fails("container", "inspect", str(garbage), match="version")

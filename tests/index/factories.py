@@ -68,3 +68,32 @@ def status(
             "ttl_ms": ttl_ms,
         }
     )
+
+
+def principals_toml() -> str:
+    """Principals of index tests: holder h1 (scope A), controllers for A and B, instance i1."""
+    from kvsp.auth import token_sha256
+
+    return f"""
+[principals.h1]
+token_sha256 = "{token_sha256("h1")}"
+roles = ["holder"]
+holders = ["{H1}"]
+scopes = ["{SCOPE_A}"]
+
+[principals.pc]
+token_sha256 = "{token_sha256("pc")}"
+roles = ["controller"]
+scopes = ["{SCOPE_A}"]
+
+[principals.other-tenant-pc]
+token_sha256 = "{token_sha256("pc-b")}"
+roles = ["controller"]
+scopes = ["{SCOPE_B}"]
+
+[principals.i1]
+token_sha256 = "{token_sha256("i1")}"
+roles = ["instance"]
+holders = ["{I1}"]
+scopes = ["{SCOPE_A}"]
+"""

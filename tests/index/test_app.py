@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvsp.auth import Principals, token_sha256
+from kvsp.auth import Principals
 from kvsp.core.clock import ManualClock
 from kvsp.core.problems import Forbidden, NotFound, RecordError, Unauthenticated
 from kvsp.core.records import LookupRequest
@@ -18,33 +18,23 @@ from kvsp.index.client import IndexClient
 from kvsp.index.service import IndexService
 from kvsp.index.state import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore
-from tests.index.factories import COMPAT, H1, H2, I1, SCOPE_A, SCOPE_B, key, ref, replica, status
+from tests.index.factories import (
+    COMPAT,
+    H1,
+    H2,
+    I1,
+    SCOPE_A,
+    SCOPE_B,
+    key,
+    principals_toml,
+    ref,
+    replica,
+    status,
+)
 
 pytestmark = pytest.mark.anyio
 
-PRINCIPALS = f"""
-[principals.h1]
-token_sha256 = "{token_sha256("h1")}"
-roles = ["holder"]
-holders = ["{H1}"]
-scopes = ["{SCOPE_A}"]
-
-[principals.pc]
-token_sha256 = "{token_sha256("pc")}"
-roles = ["controller"]
-scopes = ["{SCOPE_A}"]
-
-[principals.other-tenant-pc]
-token_sha256 = "{token_sha256("pc-b")}"
-roles = ["controller"]
-scopes = ["{SCOPE_B}"]
-
-[principals.i1]
-token_sha256 = "{token_sha256("i1")}"
-roles = ["instance"]
-holders = ["{I1}"]
-scopes = ["{SCOPE_A}"]
-"""
+PRINCIPALS = principals_toml()
 BASE = "http://index.test/kvsp/"
 
 

@@ -10,11 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvsp.auth import token_sha256
 from kvsp.core.problems import ServiceUnavailable
 from kvsp.core.records import LookupRequest
 from kvsp.index.client import IndexClient
-from tests.index.factories import COMPAT, H1, SCOPE_A, key, replica
+from tests.index.factories import COMPAT, SCOPE_A, key, principals_toml, replica
 from tests.servers import RedisServer, Service, running
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -23,20 +22,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 @pytest.fixture
 def principals(tmp_path: Path) -> Path:
     path = tmp_path / "principals.toml"
-    path.write_text(
-        f"""
-[principals.h1]
-token_sha256 = "{token_sha256("h1")}"
-roles = ["holder"]
-holders = ["{H1}"]
-scopes = ["{SCOPE_A}"]
-
-[principals.pc]
-token_sha256 = "{token_sha256("pc")}"
-roles = ["controller"]
-scopes = ["*"]
-"""
-    )
+    path.write_text(principals_toml())
     return path
 
 
