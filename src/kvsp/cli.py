@@ -231,6 +231,7 @@ def index_serve_command(
     auth: Annotated[Path | None, typer.Option("--auth", help="principals file (TOML)")] = None,
     max_ttl_ms: Annotated[int, typer.Option("--max-ttl-ms", min=1)] = 600_000,
     max_records: Annotated[int, typer.Option("--max-records", min=1)] = 5_000_000,
+    max_instances: Annotated[int, typer.Option("--max-instances", min=1)] = 65_536,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run the Index Service on HOST:PORT under /kvsp/."""
@@ -242,7 +243,9 @@ def index_serve_command(
     from kvsp.index.state import IndexLimits
     from kvsp.index.stores import open_store
 
-    limits = IndexLimits(max_ttl_ms=max_ttl_ms, max_records=max_records)
+    limits = IndexLimits(
+        max_ttl_ms=max_ttl_ms, max_records=max_records, max_instances=max_instances
+    )
     replica_store = open_store(store, limits, SystemClock())
     principals = _principals(auth, host)
     service = IndexService(replica_store)

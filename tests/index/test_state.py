@@ -11,6 +11,7 @@ from kvsp.core.clock import ManualClock
 from kvsp.core.problems import CapacityExhausted, Forbidden, RecordError, StaleEpoch
 from kvsp.core.records import LookupRequest, ReplicaRecord
 from kvsp.index.state import (
+    STATUS_RETENTION_MS,
     BlockReplicas,
     IndexLimits,
     ReplicaTable,
@@ -204,7 +205,7 @@ def test_authorization_matrix(role: Role, scope_ok: bool, holder_ok: bool) -> No
 
 
 def test_status_epochs_and_expiry(clock: ManualClock) -> None:
-    statuses = StatusTable(clock)
+    statuses = StatusTable(clock, IndexLimits())
     statuses.put(status(epoch=5, ttl_ms=1_000))
     with pytest.raises(StaleEpoch, match="below 5"):
         statuses.put(status(epoch=4))
@@ -262,3 +263,15 @@ def test_estimates_stop_at_an_unreachable_block(table: ReplicaTable) -> None:
     (estimate,) = estimate_targets([I1], statuses, _stored(table, 0, 1), block_tokens=16)
     assert estimate.fetch_blocks == 1
     assert estimate.fetch_us == pytest.approx(LAYERS * LAYER_OCTETS)
+
+
+def test_statuses_cannot_pin_memory(clock: ManualClock) -> None:
+    statuses = StatusTable(clock, IndexLimits(max_instances=2))
+    statuses.put(status("http://a/kvsp/", epoch=7))
+    statuses.put(status("http://b/kvsp/"))
+    with pytest.raises(CapacityExhausted):
+        statuses.put(status("http://c/kvsp/"))
+    statuses.put(status("http://a/kvsp/", epoch=8))  # known instances still report
+    clock.advance(STATUS_RETENTION_MS)
+    statuses.put(status("http://c/kvsp/"))  # a and b are forgotten a day after their last status
+    statuses.put(status("http://a/kvsp/", epoch=1))  # so is a's epoch

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import sys
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from kvsp.core.urls import canonical_url
 __all__ = [
     "LOOKUP_ROLES",
     "PUBLISH_ROLES",
+    "STATUS_RETENTION_MS",
     "STATUS_ROLES",
     "BlockReplicas",
     "IndexLimits",
@@ -51,6 +53,8 @@ __all__ = [
 ]
 
 PUBLISH_ROLES = (Role.HOLDER, Role.INSTANCE)
+#: How long the highest epoch of a silent instance is remembered.
+STATUS_RETENTION_MS = 86_400_000
 LOOKUP_ROLES = (Role.CONTROLLER, Role.INSTANCE, Role.HOLDER, Role.CLIENT)
 STATUS_ROLES = (Role.INSTANCE, Role.CONTROLLER)
 
@@ -62,6 +66,7 @@ class IndexLimits:
 
     max_ttl_ms: int = 600_000
     max_records: int = 5_000_000
+    max_instances: int = 65_536
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,29 +342,55 @@ class ReplicaTable:
             return now, found  # type: ignore[return-value]
 
 
-class StatusTable:
-    """Latest Instance Status Record per instance; a lower epoch than the highest seen is stale."""
+@dataclass(slots=True)
+class _InstanceEntry:
+    epoch: int
+    seen_at: int
+    expires_at: int
+    status: InstanceStatusRecord
 
-    def __init__(self, clock: Clock) -> None:
+
+class StatusTable:
+    """Latest Instance Status Record per instance; a lower epoch than the highest seen is stale.
+
+    The highest epoch of an instance is remembered for ``STATUS_RETENTION_MS`` after its last
+    status (a restarted instance has a higher epoch anyway), and at most
+    ``IndexLimits.max_instances`` instances are tracked, so statuses cannot pin memory.
+    """
+
+    def __init__(self, clock: Clock, limits: IndexLimits) -> None:
         self.clock = clock
-        self._latest: dict[str, tuple[int, InstanceStatusRecord]] = {}
-        self._highest_epoch: dict[str, int] = {}
+        self._limits = limits
+        self._entries: OrderedDict[str, _InstanceEntry] = OrderedDict()  # oldest put first
+
+    def _forget_old(self, now: int) -> None:
+        while self._entries:
+            oldest = next(iter(self._entries.values()))
+            if oldest.seen_at + STATUS_RETENTION_MS > now:
+                return
+            self._entries.popitem(last=False)
 
     def put(self, status: InstanceStatusRecord) -> None:
+        now = self.clock.now_ms()
+        self._forget_old(now)
         instance = canonical_url(status.instance)
-        highest = self._highest_epoch.get(instance, -1)
-        if status.epoch < highest:
+        entry = self._entries.get(instance)
+        if entry is not None and status.epoch < entry.epoch:
             raise StaleEpoch(
-                f"epoch {status.epoch} of {status.instance} is below {highest}, already seen"
+                f"epoch {status.epoch} of {status.instance} is below {entry.epoch}, already seen"
             )
-        self._highest_epoch[instance] = status.epoch
-        self._latest[instance] = (self.clock.now_ms() + status.ttl_ms, status)
+        if entry is None and len(self._entries) >= self._limits.max_instances:
+            raise CapacityExhausted(
+                f"the index tracks {len(self._entries)} instances, the configured maximum"
+            )
+        self._entries[instance] = _InstanceEntry(status.epoch, now, now + status.ttl_ms, status)
+        self._entries.move_to_end(instance)
 
     def get(self, instance: str) -> InstanceStatusRecord | None:
-        entry = self._latest.get(canonical_url(instance))
-        if entry is None or entry[0] <= self.clock.now_ms():
+        entry = self._entries.get(canonical_url(instance))
+        if entry is None or entry.expires_at <= self.clock.now_ms():
             return None
-        return entry[1]
+        return entry.status
 
 
 def estimate_targets(

@@ -12,7 +12,8 @@ Both stores answer the same async interface (``ReplicaStore``) and the same beha
 - ``{p}x:{<scope>}``: a sorted set per scope, member ``<compat>:<block_key>:<holder>``, score the
   deadline: the expiry queue, and the per-scope record count.
 - ``{p}scopes`` (set of scope ids), ``{p}count`` (records), ``{p}expired`` (records expired).
-- ``{p}s:{<instance>}``: a hash per instance: highest ``epoch``, latest ``record``, ``deadline``.
+- ``{p}s:{<instance>}``: a hash per instance: highest ``epoch``, latest ``record``, ``deadline``;
+  it expires a day after the instance's last status.
 
 Deadlines are read from Redis ``TIME``, so IS processes on different machines agree. A publish is
 one script on the block's key (atomic per record); a lookup is one pipeline (``TIME``, one
@@ -42,6 +43,7 @@ from kvsp.core.problems import CapacityExhausted, InvalidInput, ServiceUnavailab
 from kvsp.core.records import InstanceStatusRecord, ReplicaRecord, ReplicaRef
 from kvsp.core.urls import canonical_url
 from kvsp.index.state import (
+    STATUS_RETENTION_MS,
     BlockReplicas,
     IndexLimits,
     PublishOutcome,
@@ -102,7 +104,7 @@ class MemoryReplicaStore:
 
     def __init__(self, clock: Clock, limits: IndexLimits) -> None:
         self.table = ReplicaTable(clock, limits)
-        self.statuses = StatusTable(clock)
+        self.statuses = StatusTable(clock, limits)
 
     async def publish(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]:
         return self.table.publish_many(records)
@@ -178,7 +180,7 @@ end
 return 0
 """
 )
-# KEYS[1] status hash; ARGV: epoch, record JSON, ttl_ms. Returns -1 and the epoch when stale.
+# KEYS[1] status hash; ARGV: epoch, record JSON, ttl_ms, retention_ms. {-1, epoch} when stale.
 _STATUS = (
     _NOW_MS
     + """
@@ -187,6 +189,7 @@ local epoch = tonumber(ARGV[1])
 if epoch < highest then return {-1, highest} end
 redis.call('HSET', KEYS[1], 'epoch', epoch, 'record', ARGV[2],
            'deadline', now + tonumber(ARGV[3]))
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return {1, epoch}
 """
 )
@@ -322,7 +325,12 @@ class RedisReplicaStore:
         pipe = self._redis.pipeline(transaction=False)
         await self._status(
             keys=[self._status_key(status.instance)],
-            args=[status.epoch, status.model_dump_json(exclude_none=True), status.ttl_ms],
+            args=[
+                status.epoch,
+                status.model_dump_json(exclude_none=True),
+                status.ttl_ms,
+                STATUS_RETENTION_MS,
+            ],
             client=pipe,
         )
         ((accepted, highest),) = await self._run(pipe)
