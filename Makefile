@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 system-deps:
-	@command -v redis-server >/dev/null 2>&1 || \
-		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	@{ command -v redis-server && command -v curl; } >/dev/null 2>&1 || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		  apt-get install -y -qq redis-server curl >/dev/null; }
 
 setup: $(STAMP) system-deps
 
