@@ -2,8 +2,9 @@
 instance statuses with epoch rules, and who may do what (KVSP 6.1, 6.2, 6.3, 6.4).
 
 Records are kept as the JSON the IS serves (with ``ttl_ms`` the TTL granted at the last
-publish or refresh) plus a shared ``ReplicaSummary`` for estimates; each block caches the JSON
-array of its replicas, so a lookup joins ready octets and never serialises a record. Expiry pops
+publish or refresh), minus the identity members every record of a block shares, plus a shared
+``ReplicaSummary`` for estimates; each block caches the JSON array of its replicas, so a lookup
+joins ready octets and never serialises a record. Expiry pops
 a heap of deadlines, so it costs O(expired), never a scan; refreshes leave stale heap entries
 behind, which are skipped when popped and compacted away when they outnumber the live ones.
 """
