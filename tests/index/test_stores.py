@@ -70,10 +70,10 @@ async def test_expiry(store: ReplicaStore) -> None:
 
 
 async def test_refresh_outlives_the_first_deadline(store: ReplicaStore) -> None:
-    await store.publish([replica(0, ttl_ms=300)])
-    await asyncio.sleep(0.2)
-    await store.publish([replica(0, ttl_ms=300)])
-    await asyncio.sleep(0.2)
+    await store.publish([replica(0, ttl_ms=1_000)])
+    await asyncio.sleep(0.6)
+    await store.publish([replica(0, ttl_ms=1_000)])
+    await asyncio.sleep(0.6)  # past the first deadline, well before the second
     await _expire(store)
     assert len((await store.lookup(COMPAT, SCOPE_A, keys(0), [])).matched) == 1
     assert await store.expired_total() == 0
