@@ -270,3 +270,12 @@ async def test_record_error_type_is_raised_by_the_client(http: httpx.AsyncClient
 
     with pytest.raises(RecordError, match="block_key"):
         raise_for_problem(response)
+
+
+async def test_an_unreachable_index_is_unavailable() -> None:
+    from kvsp.core.problems import ServiceUnavailable
+    from tests.servers import free_port
+
+    async with IndexClient(f"http://127.0.0.1:{free_port()}/kvsp/", "pc", timeout_s=2) as client:
+        with pytest.raises(ServiceUnavailable, match="unreachable"):
+            await client.lookup(lookup_request(0))
