@@ -56,22 +56,22 @@ def keys(*ns: int) -> list[str]:
 def test_lookup_stops_at_the_first_miss(table: ReplicaTable) -> None:
     for n in (0, 1, 3):
         table.publish(replica(n))
-    _, found = table.lookup(COMPAT, SCOPE_A, keys(0, 1, 2, 3))
+    found = table.lookup(COMPAT, SCOPE_A, keys(0, 1, 2, 3))
     assert len(found) == 2
-    _, none = table.lookup(COMPAT, SCOPE_A, keys(2, 3))
+    none = table.lookup(COMPAT, SCOPE_A, keys(2, 3))
     assert none == []
 
 
 def test_scopes_and_compats_are_separate(table: ReplicaTable) -> None:
     table.publish(replica(0, scope=SCOPE_A))
-    assert table.lookup(COMPAT, SCOPE_B, keys(0))[1] == []
-    assert table.lookup("00" * 32, SCOPE_A, keys(0))[1] == []
+    assert table.lookup(COMPAT, SCOPE_B, keys(0)) == []
+    assert table.lookup("00" * 32, SCOPE_A, keys(0)) == []
 
 
 def test_records_of_every_holder_are_returned(table: ReplicaTable, clock: ManualClock) -> None:
     table.publish(replica(0, holder=H1))
     table.publish(replica(0, holder=H2))
-    _, found = table.lookup(COMPAT, SCOPE_A, keys(0))
+    found = table.lookup(COMPAT, SCOPE_A, keys(0))
     holders = sorted(json.loads(r.json())["holder"] for r in found[0].replicas)
     assert holders == [H1, H2]
     assert sorted(r["holder"] for r in json.loads(found[0].rendered())) == [H1, H2]
@@ -83,7 +83,7 @@ def test_served_json_is_the_record_with_the_granted_ttl(
     record = replica(0, ttl_ms=50_000)
     table.publish(record)
     clock.advance(1_200)
-    _, found = table.lookup(COMPAT, SCOPE_A, keys(0))
+    found = table.lookup(COMPAT, SCOPE_A, keys(0))
     served = json.loads(found[0].rendered())
     assert [ReplicaRecord.parse(r) for r in served] == [
         record.model_copy(update={"ttl_ms": 10_000})
@@ -95,10 +95,10 @@ def test_expiry_and_ttl_cap(table: ReplicaTable, clock: ManualClock) -> None:
     capped = table.publish(replica(1, ttl_ms=50_000))
     assert (short.ttl_ms, capped.ttl_ms) == (1_000, 10_000)
     clock.advance(999)
-    assert len(table.lookup(COMPAT, SCOPE_A, keys(0, 1))[1]) == 2
+    assert len(table.lookup(COMPAT, SCOPE_A, keys(0, 1))) == 2
     clock.advance(1)
-    assert table.lookup(COMPAT, SCOPE_A, keys(0, 1))[1] == []
-    assert len(table.lookup(COMPAT, SCOPE_A, keys(1))[1]) == 1
+    assert table.lookup(COMPAT, SCOPE_A, keys(0, 1)) == []
+    assert len(table.lookup(COMPAT, SCOPE_A, keys(1))) == 1
     assert table.count == 1
     clock.advance(9_000)
     assert table.count == 0
@@ -112,9 +112,9 @@ def test_refresh_is_idempotent_and_extends(table: ReplicaTable, clock: ManualClo
     assert (first.created, again.created) == (True, False)
     assert table.count == 1
     clock.advance(900)
-    assert len(table.lookup(COMPAT, SCOPE_A, keys(0))[1]) == 1
+    assert len(table.lookup(COMPAT, SCOPE_A, keys(0))) == 1
     clock.advance(100)
-    assert table.lookup(COMPAT, SCOPE_A, keys(0))[1] == []
+    assert table.lookup(COMPAT, SCOPE_A, keys(0)) == []
     assert table.expired_total == 1
 
 
@@ -130,7 +130,7 @@ def test_withdraw(table: ReplicaTable) -> None:
     table.publish(replica(0, holder=H2))
     assert table.withdraw(ref(0, holder=H1))
     assert not table.withdraw(ref(0, holder=H1))
-    _, found = table.lookup(COMPAT, SCOPE_A, keys(0))
+    found = table.lookup(COMPAT, SCOPE_A, keys(0))
     assert [r["holder"] for r in json.loads(found[0].rendered())] == [H2]
     assert table.counts_by_scope() == {SCOPE_A: 1}
 
@@ -220,7 +220,7 @@ def test_status_epochs_and_expiry(clock: ManualClock) -> None:
 
 
 def _stored(table: ReplicaTable, *ns: int) -> list[BlockReplicas]:
-    return table.lookup(COMPAT, SCOPE_A, keys(*ns))[1]
+    return table.lookup(COMPAT, SCOPE_A, keys(*ns))
 
 
 def test_estimates_against_the_formulas(table: ReplicaTable) -> None:

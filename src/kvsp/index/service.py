@@ -121,14 +121,20 @@ class IndexService:
     ) -> list[PublishOutcome]:
         for record in records:
             authorize_publish(principal, record)
+        return await self._publish(records)
+
+    async def withdraw(self, principal: Principal, refs: Sequence[ReplicaRef]) -> list[bool]:
+        for ref in refs:
+            authorize_withdraw(principal, ref)
+        return await self._withdraw(refs)
+
+    async def _publish(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]:
         outcomes = await self.store.publish(records)
         for outcome in outcomes:
             self.metrics.publishes.labels("created" if outcome.created else "refreshed").inc()
         return outcomes
 
-    async def withdraw(self, principal: Principal, refs: Sequence[ReplicaRef]) -> list[bool]:
-        for ref in refs:
-            authorize_withdraw(principal, ref)
+    async def _withdraw(self, refs: Sequence[ReplicaRef]) -> list[bool]:
         removed = await self.store.withdraw(refs)
         self.metrics.withdrawals.inc(sum(removed))
         return removed
@@ -139,8 +145,8 @@ class IndexService:
             authorize_publish(principal, record)
         for ref in batch.delete:
             authorize_withdraw(principal, ref)
-        outcomes = await self.publish(principal, batch.put) if batch.put else []
-        removed = await self.withdraw(principal, batch.delete) if batch.delete else []
+        outcomes = await self._publish(batch.put) if batch.put else []
+        removed = await self._withdraw(batch.delete) if batch.delete else []
         return json.dumps(
             {
                 "put": [{"created": o.created, "ttl_ms": o.ttl_ms} for o in outcomes],

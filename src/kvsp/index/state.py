@@ -328,19 +328,17 @@ class ReplicaTable:
         ]
         heapq.heapify(self._deadlines)
 
-    def lookup(
-        self, compat: str, scope: str, block_keys: Iterable[str]
-    ) -> tuple[int, list[BlockReplicas]]:
+    def lookup(self, compat: str, scope: str, block_keys: Iterable[str]) -> list[BlockReplicas]:
         """Replicas of the leading keys that have any, stopping at the first key without one."""
-        now = self.expire()
+        self.expire()
         blocks = self._spaces.get((compat, scope))
         if blocks is None:
-            return now, []
+            return []
         found = list(map(blocks.get, block_keys))  # a request is bounded; no early exit needed
         try:
-            return now, found[: found.index(None)]  # type: ignore[return-value]
+            return found[: found.index(None)]  # type: ignore[return-value]
         except ValueError:
-            return now, found  # type: ignore[return-value]
+            return found  # type: ignore[return-value]
 
 
 @dataclass(slots=True)

@@ -66,9 +66,8 @@ log = logging.getLogger("kvsp.index")
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
-    """Replicas of the matched prefix, the store clock reading, and the targets' statuses."""
+    """Replicas of the matched prefix and the targets' statuses."""
 
-    now_ms: int
     matched: list[BlockReplicas]
     statuses: dict[str, InstanceStatusRecord]
 
@@ -115,13 +114,13 @@ class MemoryReplicaStore:
     async def lookup(
         self, compat: str, scope: str, block_keys: Sequence[str], targets: Sequence[str]
     ) -> LookupResult:
-        now, matched = self.table.lookup(compat, scope, block_keys)
+        matched = self.table.lookup(compat, scope, block_keys)
         statuses = {}
         for target in targets:
             status = self.statuses.get(target)
             if status is not None:
                 statuses[canonical_url(target)] = status
-        return LookupResult(now, matched, statuses)
+        return LookupResult(matched, statuses)
 
     async def put_status(self, status: InstanceStatusRecord) -> None:
         self.statuses.put(status)
@@ -319,7 +318,7 @@ class RedisReplicaStore:
         for target, (record, deadline) in zip(targets, results[1 + len(block_keys) :], strict=True):
             if record is not None and deadline is not None and int(deadline) > now:
                 statuses[canonical_url(target)] = InstanceStatusRecord.parse(record)
-        return LookupResult(now, matched, statuses)
+        return LookupResult(matched, statuses)
 
     async def put_status(self, status: InstanceStatusRecord) -> None:
         pipe = self._redis.pipeline(transaction=False)
