@@ -2,7 +2,9 @@
 
 (a) in process on the memory store: 64-key lookups per second through ``IndexService``;
 (b) over HTTP: the same lookups served by uvicorn and driven by ``wrk``, as a ratio to a
-    minimal uvicorn app's request rate under the same load in the same run (target >= 0.5);
+    minimal uvicorn app's request rate under the same load in the same run (target >= 0.5).
+    Also reported: a "same I/O" app that decodes the same request bodies and sends an answer of
+    the same size without looking anything up, the ceiling of any lookup served this way;
 (c) on the Redis store: ``RedisReplicaStore.lookup`` as a ratio to a raw redis-py pipeline
     reading the same keys (TIME + 64 HGETALL) in the same run (target >= 0.5);
 and the memory store's resident memory per record (target <= 1 KiB), for records as a
@@ -166,6 +168,34 @@ async def minimal_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b'{"ok":true}'})
 
 
+def same_io_app(answer: bytes) -> Callable[..., Awaitable[None]]:
+    """The same request decoding and answer size as a lookup, with no lookup in between."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        more = True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        json.loads(body)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", b"%d" % len(answer)),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": answer})
+
+    return app
+
+
 WRK_SCRIPT = """
 local bodies = {}
 local i = 0
@@ -271,14 +301,17 @@ def main() -> None:
         bodies.write_text("\n".join(r.model_dump_json(exclude_none=True) for r in requests))
         script = Path(tmp) / "lookup.lua"
         script.write_text(WRK_SCRIPT)
-        http_rate = minimal_rate = 0.0
+        answer = asyncio.run(service.lookup(DEV, requests[0]))
+        http_rate = minimal_rate = same_io_rate = 0.0
         with (
             Background(create_app(service, Principals.development_mode())) as index_server,
             Background(minimal_app) as minimal_server,
+            Background(same_io_app(answer)) as same_io_server,
         ):
             for _ in range(2):
                 http_rate = max(http_rate, wrk(index_server.port, bodies, script))
                 minimal_rate = max(minimal_rate, wrk(minimal_server.port, bodies, script))
+                same_io_rate = max(same_io_rate, wrk(same_io_server.port, bodies, script))
 
     redis = asyncio.run(redis_part(args.records, requests))
     results = {
@@ -288,6 +321,9 @@ def main() -> None:
         "http_lookups_per_s": round(http_rate),
         "minimal_uvicorn_requests_per_s": round(minimal_rate),
         "http_ratio": round(http_rate / minimal_rate, 3),
+        "same_io_requests_per_s": round(same_io_rate),
+        "same_io_ratio_to_minimal": round(same_io_rate / minimal_rate, 3),
+        "http_ratio_to_same_io": round(http_rate / same_io_rate, 3),
         **redis,
         "memory_octets_per_record": round(per_record),
         "memory_octets_per_record_with_30_layer_digests": round(per_record_digests),
