@@ -46,6 +46,10 @@ index_app = typer.Typer(
     help="The Index Service (replica records and lookup).", no_args_is_help=True
 )
 app.add_typer(index_app, name="index")
+holder_app = typer.Typer(
+    help="A holder: tiered KV block storage with leases.", no_args_is_help=True
+)
+app.add_typer(holder_app, name="holder")
 
 
 def _read_bytes(path: Path, what: str) -> bytes:
@@ -251,6 +255,75 @@ def index_serve_command(
     service = IndexService(replica_store)
     uvicorn.run(
         create_app(service, principals),
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+    )
+
+
+_SIZE = re.compile(r"([0-9]+)\s*([KMGT]?)i?B?", re.IGNORECASE)
+
+
+def parse_octets(text: str) -> int:
+    """An octet count: an integer, optionally with K, M, G or T (powers of 1024)."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise InvalidInput(f"{text!r} is not a size (e.g. 1048576, 512M, 4G)")
+    return int(match[1]) << (10 * " KMGT".index(match[2].upper() or " "))
+
+
+def _read_token(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    token = _read_bytes(path, "token file").decode("utf-8", "replace").strip()
+    if not token:
+        raise InvalidInput(f"token file {path} is empty")
+    return token
+
+
+@holder_app.command("serve")
+def holder_serve_command(
+    url: Annotated[str, typer.Option("--url", help="this holder's base URL, as published")],
+    host_bytes: Annotated[str, typer.Option("--host-bytes", help="host memory tier, e.g. 4G")],
+    host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 9101,
+    index: Annotated[
+        str | None, typer.Option("--index", help="Index Service base URL to publish to")
+    ] = None,
+    index_token_file: Annotated[
+        Path | None, typer.Option("--index-token-file", help="bearer token for the IS")
+    ] = None,
+    auth: Annotated[Path | None, typer.Option("--auth", help="principals file (TOML)")] = None,
+    disk_dir: Annotated[Path | None, typer.Option("--disk-dir")] = None,
+    disk_bytes: Annotated[str, typer.Option("--disk-bytes")] = "0",
+    lease_quota_bytes: Annotated[str, typer.Option("--lease-quota-bytes")] = "1G",
+    lease_max_ttl_ms: Annotated[int, typer.Option("--lease-max-ttl-ms", min=1)] = 60_000,
+    record_ttl_ms: Annotated[int, typer.Option("--record-ttl-ms", min=2)] = 600_000,
+    log_level: Annotated[str, typer.Option("--log-level")] = "info",
+) -> None:
+    """Run a holder on HOST:PORT under /kvsp/, publishing what it holds to --index."""
+    import uvicorn
+
+    from kvsp.holder.app import create_app
+    from kvsp.holder.leases import LeaseLimits
+    from kvsp.holder.service import HolderConfig, HolderService
+
+    config = HolderConfig(
+        url=url,
+        host_bytes=parse_octets(host_bytes),
+        disk_dir=disk_dir,
+        disk_bytes=parse_octets(disk_bytes),
+        leases=LeaseLimits(
+            quota_octets=parse_octets(lease_quota_bytes), max_ttl_ms=lease_max_ttl_ms
+        ),
+        record_ttl_ms=record_ttl_ms,
+        index_url=index,
+        index_token=_read_token(index_token_file),
+    )
+    principals = _principals(auth, host)
+    uvicorn.run(
+        create_app(HolderService(config), principals),
         host=host,
         port=port,
         log_level=log_level,

@@ -63,6 +63,7 @@ __all__ = [
     "MethodNotAllowed",
     "NotFound",
     "PayloadTooLarge",
+    "PreconditionRequired",
     "RecordError",
     "ServiceUnavailable",
     "StaleEpoch",
@@ -207,6 +208,12 @@ class AlreadyStored(KvspError):
     status = 412
     slug = "kvsp-already-stored"
     title = "A replica for this key is already stored"
+
+
+class PreconditionRequired(KvspError):
+    status = 428
+    slug = "kvsp-precondition-required"
+    title = "The request must be conditional"
 
 
 class PayloadTooLarge(KvspError):

@@ -17,7 +17,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from kvsp.auth import Principals
 from kvsp.core.ids import parse_block_key, parse_compat_id, parse_scope_id
@@ -32,6 +32,7 @@ from kvsp.core.records import (
 from kvsp.index.service import IndexService
 from kvsp.index.state import check_path
 from kvsp.web.server import (
+    AsgiEndpoint,
     header_value,
     install_problem_handlers,
     json_response,
@@ -60,17 +61,6 @@ def _block_path(request: Request) -> tuple[str, str, str]:
     parse_scope_id(scope)
     parse_block_key(block_key)
     return compat, scope, block_key
-
-
-class _AsgiEndpoint:
-    """Marks a coroutine as a bare ASGI endpoint for Starlette's router (which would otherwise
-    wrap a function in request and response objects)."""
-
-    def __init__(self, handler: ASGIApp) -> None:
-        self._handler = handler
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._handler(scope, receive, send)
 
 
 def create_app(
@@ -146,7 +136,7 @@ def create_app(
             Route(block, publish, methods=["PUT"]),
             Route(block, withdraw, methods=["DELETE"]),
             Route(BASE + "replicas", batch, methods=["POST"]),
-            Route(BASE + "lookup", _AsgiEndpoint(lookup), methods=["POST"]),
+            Route(BASE + "lookup", AsgiEndpoint(lookup), methods=["POST"]),
             Route(BASE + "status", status, methods=["PUT"]),
             Route(BASE + "healthz", healthz, methods=["GET"]),
             Route(BASE + "metrics", metrics, methods=["GET"]),

@@ -19,7 +19,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvsp.auth import Principal, Principals
 from kvsp.core.problems import (
@@ -35,6 +35,7 @@ from kvsp.core.problems import (
 __all__ = [
     "JSON_MEDIA_TYPE",
     "PROBLEM_MEDIA_TYPE",
+    "AsgiEndpoint",
     "header_value",
     "install_problem_handlers",
     "json_response",
@@ -104,6 +105,17 @@ def install_problem_handlers(
     app.add_exception_handler(Exception, unexpected)
 
 
+class AsgiEndpoint:
+    """Marks a coroutine as a bare ASGI endpoint for Starlette's router (which would otherwise
+    wrap a function in request and response objects): for the hottest routes."""
+
+    def __init__(self, handler: ASGIApp) -> None:
+        self._handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._handler(scope, receive, send)
+
+
 def header_value(scope: Scope, name: bytes) -> str | None:
     """A request header from an ASGI scope (``name`` in lowercase)."""
     for key, value in scope["headers"]:
@@ -112,30 +124,38 @@ def header_value(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-async def read_body(scope: Scope, receive: Receive, max_octets: int) -> bytes:
-    """The request body, if it is JSON of an accepted type and at most ``max_octets``.
+async def read_body(
+    scope: Scope,
+    receive: Receive,
+    max_octets: int,
+    media_types: tuple[str, ...] = _ACCEPTED_TYPES,
+) -> bytes:
+    """The request body, if it is of an accepted type (JSON unless told otherwise) and at most
+    ``max_octets``.
 
     Works on the ASGI primitives so that the hottest routes can skip request objects.
     """
     media_type = (header_value(scope, b"content-type") or "").split(";")[0].strip().lower()
-    if media_type not in _ACCEPTED_TYPES:
+    if media_type not in media_types:
         raise UnsupportedMediaType(
-            f"content type {media_type or '(none)'!r} is not {JSON_MEDIA_TYPE}"
+            f"content type {media_type or '(none)'!r} is not {media_types[0]}"
         )
     declared = header_value(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_octets:
         raise PayloadTooLarge(f"body of {declared} octets is above the {max_octets}-octet limit")
-    body = b""
+    chunks = []
+    received = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise InvalidInput("the client went away before sending its body")
         chunk: bytes = message.get("body", b"")
-        body += chunk
-        if len(body) > max_octets:
+        chunks.append(chunk)
+        received += len(chunk)
+        if received > max_octets:
             raise PayloadTooLarge(f"body is above the {max_octets}-octet limit")
         if not message.get("more_body", False):
-            return body
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 async def read_json_body(request: Request, max_octets: int) -> bytes:

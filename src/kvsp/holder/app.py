@@ -1,0 +1,174 @@
+"""The holder's HTTP adapter (KVSP 6.6, 6.7): block resources, leases, health and metrics.
+
+``GET blocks/...`` is a bare ASGI endpoint that writes the header and then each stored buffer
+as it is, so serving a block copies nothing in Python; ``Repr-Digest`` comes from the digest
+computed when the block was stored (for a whole block) or from one pass over the range.
+A ``codec`` other than the stored one cannot be produced (this holder does not transcode):
+the block is served in its stored codec, which the container header names, so a client that
+asked for a codec can tell (docs/decisions/0007-holder.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from urllib.parse import parse_qs
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from kvsp.auth import Principals
+from kvsp.core.digests import repr_digest
+from kvsp.core.ids import parse_block_key, parse_compat_id, parse_scope_id
+from kvsp.core.problems import InvalidInput, PreconditionRequired
+from kvsp.core.records import LeaseRenewal, LeaseRequest
+from kvsp.core.registries import CODECS
+from kvsp.holder.blocks import BLOCK_MEDIA_TYPE, BlockId
+from kvsp.holder.service import HolderService
+from kvsp.web.server import (
+    AsgiEndpoint,
+    header_value,
+    install_problem_handlers,
+    json_response,
+    principal_of,
+    read_body,
+    read_json_body,
+)
+
+__all__ = ["create_app", "parse_block_query"]
+
+log = logging.getLogger("kvsp.holder")
+
+BASE = "/kvsp/"
+_LAYERS = re.compile(r"([0-9]{1,9})-([0-9]{1,9})")
+_JSON_BODY_OCTETS = 1 << 20
+
+
+def _block_of(params: dict[str, str]) -> BlockId:
+    compat, scope, key = params["compat"], params["scope"], params["block_key"]
+    parse_compat_id(compat)
+    parse_scope_id(scope)
+    parse_block_key(key)
+    return compat, scope, key
+
+
+def parse_block_query(query: bytes) -> tuple[int, int] | None:
+    """The ``layers=a-b`` range of a block GET; ``codec=n`` is checked and otherwise ignored
+    (the stored codec is served)."""
+    try:
+        params = parse_qs(query.decode("ascii"), strict_parsing=bool(query), max_num_fields=4)
+    except (UnicodeDecodeError, ValueError):
+        raise InvalidInput("the query string is malformed") from None
+    unknown = set(params) - {"layers", "codec"}
+    if unknown or any(len(v) != 1 for v in params.values()):
+        raise InvalidInput("a block GET takes at most one layers=a-b and one codec=n")
+    if "codec" in params:
+        codec = params["codec"][0]
+        if not codec.isdigit() or int(codec) not in CODECS:
+            raise InvalidInput(f"codec={codec} is not a registered codec number")
+    if "layers" not in params:
+        return None
+    match = _LAYERS.fullmatch(params["layers"][0])
+    if match is None or int(match[1]) > int(match[2]):
+        raise InvalidInput("layers must be a-b with a <= b (an inclusive range)")
+    return int(match[1]), int(match[2])
+
+
+def create_app(
+    service: HolderService,
+    principals: Principals,
+) -> Starlette:
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.close()
+
+    async def get_block(scope: Scope, receive: Receive, send: Send) -> None:
+        block = _block_of(scope["path_params"])
+        layers = parse_block_query(scope["query_string"])
+        principal = principals.authenticate(header_value(scope, b"authorization"))
+        read, sha256 = await service.get_block(principal, block, layers)
+        header = read.header.encode()
+        max_age = max(0, read.remaining_ttl_ms // 1000)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", BLOCK_MEDIA_TYPE.encode()),
+                    (b"content-length", b"%d" % read.size),
+                    (b"repr-digest", repr_digest(sha256).encode()),
+                    (b"cache-control", b"private, immutable, max-age=%d" % max_age),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": header, "more_body": True})
+        for i, part in enumerate(read.parts):
+            more = i + 1 < len(read.parts)
+            await send({"type": "http.response.body", "body": part, "more_body": more})
+
+    async def put_block(request: Request) -> Response:
+        block = _block_of(request.path_params)
+        principal = principal_of(request, principals)
+        if request.headers.get("if-none-match", "").strip() != "*":
+            raise PreconditionRequired("storing a block needs If-None-Match: *")
+        body = await read_body(
+            request.scope,
+            request.receive,
+            service.config.max_block_octets,
+            (BLOCK_MEDIA_TYPE,),
+        )
+        record = await service.put_block(principal, block, body)
+        return json_response(record.model_dump_json(exclude_none=True).encode(), 201)
+
+    async def grant_lease(request: Request) -> Response:
+        principal = principal_of(request, principals)
+        parsed = LeaseRequest.parse(await read_json_body(request, _JSON_BODY_OCTETS))
+        grant = await service.grant_lease(principal, parsed)
+        response = json_response(grant.model_dump_json().encode(), 201)
+        response.headers["location"] = f"{BASE}leases/{grant.lease}"
+        return response
+
+    async def renew_lease(request: Request) -> Response:
+        principal = principal_of(request, principals)
+        parsed = LeaseRenewal.parse(await read_json_body(request, _JSON_BODY_OCTETS))
+        grant = await service.renew_lease(principal, request.path_params["lease"], parsed.ttl_ms)
+        return json_response(grant.model_dump_json().encode())
+
+    async def release_lease(request: Request) -> Response:
+        principal = principal_of(request, principals)
+        await service.release_lease(principal, request.path_params["lease"])
+        return Response(status_code=204)
+
+    async def healthz(_: Request) -> Response:
+        return json_response(b'{"status":"ok"}')
+
+    async def metrics(_: Request) -> Response:
+        await service.refresh_metrics()
+        return Response(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
+
+    block = BASE + "blocks/{compat}/{scope}/{block_key}"
+    lease = BASE + "leases/{lease}"
+    app = Starlette(
+        routes=[
+            Route(block, AsgiEndpoint(get_block), methods=["GET"]),
+            Route(block, put_block, methods=["PUT"]),
+            Route(BASE + "leases", grant_lease, methods=["POST"]),
+            Route(lease, renew_lease, methods=["PUT"]),
+            Route(lease, release_lease, methods=["DELETE"]),
+            Route(BASE + "healthz", healthz, methods=["GET"]),
+            Route(BASE + "metrics", metrics, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+    install_problem_handlers(app, log, lambda slug: service.rejected.labels(slug).inc())
+    return app

@@ -1,0 +1,375 @@
+"""The holder's operations: authorize, validate, then the store; and the Index Service kept
+informed of what the store holds.
+
+The store and the lease table are plain objects; every operation on them runs in one worker
+thread, in order, so disk writes and SHA-256 over megabytes never stall the event loop and no
+lock is needed. The effects each operation leaves (publish, withdraw) are coalesced per block,
+latest first wins, and sent to the Index Service in batches by one task that retries while the
+IS is away; records are republished before they expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvsp.auth import Principal, Role, authorize
+from kvsp.core.clock import Clock, SystemClock
+from kvsp.core.container import Container
+from kvsp.core.problems import AlreadyStored, ConfigurationError, KvspError
+from kvsp.core.records import LeaseGrant, LeaseRequest, ReplicaRecord, ReplicaRef
+from kvsp.core.registries import Tier
+from kvsp.core.urls import canonical_url
+from kvsp.holder.blocks import BlockId, BlockMeta, block_ref
+from kvsp.holder.leases import LeaseLimits, LeaseTable
+from kvsp.holder.store import (
+    BlockRead,
+    BlockStore,
+    Effect,
+    Publish,
+    TierData,
+    TierSpec,
+    Withdraw,
+)
+from kvsp.holder.tiers import DiskTier, MemoryTier
+from kvsp.index.client import IndexClient
+
+__all__ = ["BLOCK_ROLES", "HolderConfig", "HolderService"]
+
+log = logging.getLogger("kvsp.holder")
+T = TypeVar("T")
+
+#: Roles that may read, store and lease blocks (always within their scopes).
+BLOCK_ROLES = (Role.CLIENT, Role.INSTANCE, Role.HOLDER, Role.CONTROLLER)
+#: Effects sent to the Index Service in one batch, at most.
+BATCH = 1024
+
+
+@dataclass(frozen=True)
+class HolderConfig:
+    url: str
+    host_bytes: int
+    disk_dir: Path | None = None
+    disk_bytes: int = 0
+    leases: LeaseLimits = field(default_factory=LeaseLimits)
+    record_ttl_ms: int = 600_000
+    #: read rates reported in Replica Records (memory is not worth reporting)
+    disk_read_mbit_per_s: float = 16_000.0
+    max_block_octets: int = 256 << 20
+    index_url: str | None = None
+    index_token: str | None = None
+
+    def tiers(self) -> tuple[list[TierSpec], dict[Tier, TierData]]:
+        specs = [TierSpec("host", self.host_bytes)]
+        data: dict[Tier, TierData] = {"host": MemoryTier()}
+        if self.disk_dir is not None:
+            specs.append(TierSpec("disk", self.disk_bytes, self.disk_read_mbit_per_s))
+            data["disk"] = DiskTier(self.disk_dir)
+        elif self.disk_bytes:
+            raise ConfigurationError("--disk-bytes needs --disk-dir")
+        return specs, data
+
+
+class HolderService:
+    def __init__(self, config: HolderConfig, clock: Clock | None = None) -> None:
+        parts = urlsplit(config.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigurationError(f"holder URL {config.url!r} is not an http(s) URL")
+        self.config = config
+        self.url = canonical_url(config.url)
+        self.clock = clock or SystemClock()
+        specs, data = config.tiers()
+        self._disk = data.get("disk")
+        self.leases = LeaseTable(self.clock, config.leases)
+        self.store = BlockStore(
+            specs, data, self.leases, self.clock, self.url, config.record_ttl_ms
+        )
+        self.capacities = {s.name: s.capacity for s in specs}
+        self.index = (
+            None if config.index_url is None else IndexClient(config.index_url, config.index_token)
+        )
+        self.registry = CollectorRegistry()
+        self.rejected = Counter(
+            "kvsp_holder_rejected_requests",
+            "Requests answered with a problem",
+            ["type"],
+            registry=self.registry,
+        )
+        self._snapshot = _Snapshot()
+        self.registry.register(self._snapshot)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvsp-holder-store")
+        self._pending: OrderedDict[BlockId, Effect] = OrderedDict()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        #: SHA-256 of each held block's whole container, for Repr-Digest of full GETs
+        self._repr: dict[BlockId, bytes] = {}
+
+    # -- running -------------------------------------------------------------------------------
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the store's thread, then queue the effects it left."""
+
+        def call() -> tuple[T, list[Effect]]:
+            result = fn()
+            return result, self.store.take_effects()
+
+        result, effects = await asyncio.get_running_loop().run_in_executor(self._worker, call)
+        self._queue(effects)
+        return result
+
+    async def start(self) -> None:
+        """Take back what the disk tier kept over a restart, then start publishing."""
+        if isinstance(self._disk, DiskTier):
+            restored, failed = await self._run(self._restore)
+            log.info("disk tier: %d blocks restored, %d failed verification", restored, len(failed))
+            self._queue([Withdraw(self._ref(block)) for block in failed])
+        self._tasks = [
+            asyncio.create_task(self._publisher(), name="kvsp-holder-publisher"),
+            asyncio.create_task(self._refresher(), name="kvsp-holder-refresher"),
+        ]
+
+    def _restore(self) -> tuple[int, list[BlockId]]:
+        """(blocks restored, blocks whose files failed verification and were removed)."""
+        assert isinstance(self._disk, DiskTier)
+        restored = 0
+        failed = []
+        for found in self._disk.scan():
+            if found.block is None or found.meta is None or found.span is None:
+                self.store.stats.digest_failures += 1
+                log.warning("removed %s: %s", found.path, found.problem)
+                if found.block is not None:
+                    failed.append(found.block)
+            elif self.store.restore(found.block, found.meta, "disk", found.span):
+                restored += 1
+        return restored, failed
+
+    def _ref(self, block: BlockId) -> ReplicaRef:
+        compat, scope, key = block
+        return ReplicaRef.model_construct(
+            compat_id=compat, scope_id=scope, block_key=key, holder=self.url
+        )
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.index is not None:
+            try:
+                await asyncio.wait_for(self._flush(), timeout=2.0)
+            except (TimeoutError, KvspError):
+                log.warning("%d index updates not delivered at shutdown", len(self._pending))
+            await self.index.aclose()
+        self._worker.shutdown(wait=True)
+
+    # -- the Index Service ---------------------------------------------------------------------
+
+    def _queue(self, effects: Sequence[Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, Publish):
+                r = effect.record
+                block = (r.compat_id, r.scope_id, r.block_key)
+            else:
+                ref = effect.ref
+                block = (ref.compat_id, ref.scope_id, ref.block_key)
+                self._repr.pop(block, None)
+            self._pending.pop(block, None)
+            self._pending[block] = effect
+        if effects:
+            self._wake.set()
+
+    async def _flush(self) -> None:
+        """Send everything pending; on failure what was not sent stays pending."""
+        assert self.index is not None
+        while self._pending:
+            blocks = list(itertools.islice(self._pending, BATCH))
+            effects = [self._pending[b] for b in blocks]
+            put = [e.record for e in effects if isinstance(e, Publish)]
+            delete = [e.ref for e in effects if not isinstance(e, Publish)]
+            await self.index.batch(put, delete)
+            for block, effect in zip(blocks, effects, strict=True):
+                if self._pending.get(block) is effect:
+                    del self._pending[block]
+
+    async def _publisher(self) -> None:
+        delay = 0.1
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self.index is None:
+                self._pending.clear()
+                continue
+            try:
+                await self._flush()
+                delay = 0.1
+            except KvspError as exc:
+                log.warning("index update failed (%s); retrying in %.1f s", exc.detail, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                self._wake.set()
+
+    async def _refresher(self) -> None:
+        period = min(1.0, self.config.record_ttl_ms / 4000)
+        while True:
+            await asyncio.sleep(period)
+            await self._run(self.store.refresh_due)
+
+    # -- blocks --------------------------------------------------------------------------------
+
+    async def put_block(self, principal: Principal, block: BlockId, body: bytes) -> ReplicaRecord:
+        """Store a container received for ``block``: validated, digests computed here."""
+        authorize(principal, BLOCK_ROLES, scope=block[1])
+
+        def put() -> ReplicaRecord:
+            if block in self.store:  # before hashing megabytes for nothing
+                raise AlreadyStored(f"{block_ref(block)} is already held here")
+            container = Container.parse(body, max_octets=self.config.max_block_octets)
+            meta = BlockMeta.of(container)
+            record = self.store.put(block, meta, container.parts[1])  # type: ignore[arg-type]
+            self._repr[block] = container.sha256()
+            return record
+
+        return await self._run(put)
+
+    async def get_block(
+        self, principal: Principal, block: BlockId, layers: tuple[int, int] | None
+    ) -> tuple[BlockRead, bytes]:
+        """The layers asked for, ready to send, with the SHA-256 for ``Repr-Digest``."""
+        authorize(principal, BLOCK_ROLES, scope=block[1])
+
+        def get() -> tuple[BlockRead, bytes]:
+            read = self.store.get(block, *(layers or (None, None)))
+            whole = read.header.first_layer == 0 and read.header.layer_count == len(
+                self.store.meta(block).lengths
+            )
+            digest = self._repr.get(block) if whole else None
+            if digest is None:
+                h = hashlib.sha256(read.header.encode())
+                for part in read.parts:
+                    h.update(part)
+                digest = h.digest()
+                if whole:
+                    self._repr[block] = digest
+            return read, digest
+
+        return await self._run(get)
+
+    # -- leases --------------------------------------------------------------------------------
+
+    async def grant_lease(self, principal: Principal, request: LeaseRequest) -> LeaseGrant:
+        authorize(principal, BLOCK_ROLES, scope=request.scope_id)
+
+        def grant() -> LeaseGrant:
+            sizes = []
+            for key in dict.fromkeys(request.block_keys):
+                block = (request.compat_id, request.scope_id, key)
+                sizes.append((block, self.store.meta(block).size))  # NotFound: nothing granted
+            return self.leases.grant(principal.name, sizes, request.ttl_ms)
+
+        return await self._run(grant)
+
+    async def renew_lease(self, principal: Principal, lease: str, ttl_ms: int) -> LeaseGrant:
+        return await self._run(lambda: self.leases.renew(principal.name, lease, ttl_ms))
+
+    async def release_lease(self, principal: Principal, lease: str) -> None:
+        await self._run(lambda: self.leases.release(principal.name, lease))
+
+    # -- health and metrics --------------------------------------------------------------------
+
+    async def refresh_metrics(self) -> None:
+        def read() -> _Figures:
+            stats = self.store.stats
+            return _Figures(
+                used=self.store.used(),
+                capacity=self.capacities,
+                blocks=len(self.store),
+                hits=stats.hits,
+                misses=stats.misses,
+                digest_failures=stats.digest_failures,
+                evictions=dict(stats.evictions),
+                demotions=dict(stats.demotions),
+                lease_octets=self.leases.octets_by_client(),
+                pending=len(self._pending),
+            )
+
+        self._snapshot.figures = await self._run(read)
+
+
+@dataclass(frozen=True)
+class _Figures:
+    used: dict[Tier, int]
+    capacity: dict[Tier, int]
+    blocks: int
+    hits: int
+    misses: int
+    digest_failures: int
+    evictions: dict[str, int]
+    demotions: dict[str, int]
+    lease_octets: dict[str, int]
+    pending: int
+
+
+class _Snapshot:
+    """The store's figures as last read on its thread, exported when Prometheus scrapes."""
+
+    def __init__(self) -> None:
+        self.figures: _Figures | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        f = self.figures
+        if f is None:
+            return
+        used = GaugeMetricFamily("kvsp_holder_bytes", "Octets held, by tier", labels=["tier"])
+        cap = GaugeMetricFamily(
+            "kvsp_holder_capacity_bytes", "Configured capacity, by tier", labels=["tier"]
+        )
+        for name, octets in f.used.items():
+            used.add_metric([name], octets)
+            cap.add_metric([name], f.capacity[name])
+        yield used
+        yield cap
+        yield GaugeMetricFamily("kvsp_holder_blocks", "Blocks held", value=f.blocks)
+        yield CounterMetricFamily("kvsp_holder_hits", "Block reads served", value=f.hits)
+        yield CounterMetricFamily(
+            "kvsp_holder_misses", "Block reads for blocks or layers not held", value=f.misses
+        )
+        yield CounterMetricFamily(
+            "kvsp_holder_digest_failures",
+            "Stored octets that failed verification (block withdrawn and dropped)",
+            value=f.digest_failures,
+        )
+        for metric, counts, what in (
+            ("evictions", f.evictions, "dropped"),
+            ("demotions", f.demotions, "moved to a slower tier"),
+        ):
+            family = CounterMetricFamily(
+                f"kvsp_holder_{metric}", f"Blocks {what} to make room, by tier", labels=["tier"]
+            )
+            for tier_name, count in counts.items():
+                family.add_metric([tier_name], count)
+            yield family
+        leased = GaugeMetricFamily(
+            "kvsp_holder_lease_bytes", "Octets under valid leases, by client", labels=["client"]
+        )
+        for client, octets in f.lease_octets.items():
+            leased.add_metric([client], octets)
+        yield leased
+        yield GaugeMetricFamily(
+            "kvsp_holder_index_pending",
+            "Publishes and withdrawals not yet delivered to the Index Service",
+            value=f.pending,
+        )

@@ -1,0 +1,516 @@
+"""The tiered block store, pure: which layers of which block sit in which tier, how much room
+each tier has, what to demote or evict to make room, and what the Index Service must be told.
+
+The same store runs inside a standalone holder (tiers host and disk) and inside an inference
+instance (whose device tier is the engine's KV pool); where octets live is behind ``TierData``,
+so the store itself does no I/O of its own and never imports HTTP or asyncio.
+
+Contract (tested exactly):
+
+- Tiers are ordered fastest first. A block keeps at most one contiguous layer range per tier,
+  faster tiers holding earlier layers, so the ranges partition the block's layers in tier order
+  (a block may keep layers 0-19 in host memory and 20-29 on disk) and demoting a tier's range
+  into the next tier always leaves one contiguous range there.
+- A new block goes to the first tier that can hold all of it (or to an explicit placement).
+  Room is made in a tier by taking victims in eviction order: lowest effective priority first
+  (``retain`` raises a block's priority until a deadline), then least recently used (``put`` and
+  ``get`` use a block). A victim's range moves to the next tier when that tier could hold it
+  (making room there the same way); otherwise the whole block is dropped.
+- A leased block is never demoted or dropped by pressure: it is passed over, and a tier whose
+  room is taken by leased blocks refuses new blocks with ``CapacityExhausted`` (507) before
+  anything is moved.
+- Every stored or moved block yields a ``Publish`` effect with its current Replica Record; every
+  dropped block yields a ``Withdraw`` first. ``refresh_due`` republishes records past half their
+  TTL. A block whose octets fail verification on read is withdrawn and dropped even if leased
+  (the fault case of KVSP 6.6). Effects are drained with ``take_effects``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvsp.core.clock import Clock
+from kvsp.core.container import ContainerHeader
+from kvsp.core.problems import (
+    AlreadyStored,
+    CapacityExhausted,
+    ConfigurationError,
+    DigestError,
+    LayersUnavailable,
+    NotFound,
+)
+from kvsp.core.records import ReplicaRecord, ReplicaRef, Residency
+from kvsp.core.registries import Tier
+from kvsp.holder.blocks import BlockId, BlockMeta, block_ref
+
+__all__ = [
+    "BlockRead",
+    "BlockStore",
+    "Effect",
+    "LeaseView",
+    "Publish",
+    "StoreStats",
+    "TierData",
+    "TierSpec",
+    "Withdraw",
+]
+
+#: A layer range, inclusive.
+Span = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    name: Tier
+    capacity: int
+    #: the rate the holder reads this tier at, reported in Replica Records
+    read_mbit_per_s: float | None = None
+
+
+class TierData(Protocol):
+    """Where one tier keeps its octets: at most one contiguous layer range per block."""
+
+    def write(
+        self, block: BlockId, meta: BlockMeta, span: Span, data: Sequence[memoryview]
+    ) -> None:
+        """Store the octets of ``span`` (given as consecutive buffers), replacing any range
+        the block had in this tier."""
+        ...
+
+    def read(self, block: BlockId, meta: BlockMeta, stored: Span, span: Span) -> memoryview:
+        """The octets of ``span``, a part of the ``stored`` range; ``DigestError`` if they no
+        longer match the meta's layer digests."""
+        ...
+
+    def delete(self, block: BlockId) -> None: ...
+
+
+class LeaseView(Protocol):
+    def leased(self, block: BlockId) -> bool: ...
+
+    def leased_blocks(self) -> Iterable[BlockId]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    record: ReplicaRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Withdraw:
+    ref: ReplicaRef
+
+
+Effect = Publish | Withdraw
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRead:
+    """A layer range ready to send: the header, then the data as consecutive buffers."""
+
+    header: ContainerHeader
+    parts: tuple[memoryview, ...]
+    record: ReplicaRecord
+    #: milliseconds until the published record expires (for ``Cache-Control: max-age``)
+    remaining_ttl_ms: int
+
+    @property
+    def size(self) -> int:
+        return self.header.total_octets
+
+
+@dataclass
+class StoreStats:
+    """Counters since start, exported as metrics by the adapter."""
+
+    hits: int = 0
+    misses: int = 0
+    digest_failures: int = 0
+    evictions: dict[str, int] = field(default_factory=dict)
+    demotions: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Block:
+    meta: BlockMeta
+    spans: dict[Tier, Span]
+    tick: int
+    priority: int = 0
+    priority_until: int = 0
+    published_at: int = 0
+
+
+class BlockStore:
+    def __init__(
+        self,
+        tiers: Sequence[TierSpec],
+        data: Mapping[Tier, TierData],
+        leases: LeaseView,
+        clock: Clock,
+        holder_url: str,
+        record_ttl_ms: int = 600_000,
+    ) -> None:
+        names = [t.name for t in tiers]
+        if not tiers or len(set(names)) != len(names) or set(names) != set(data):
+            raise ConfigurationError("each tier needs a distinct name and a place for its data")
+        if any(t.capacity < 0 for t in tiers) or record_ttl_ms < 2:
+            raise ConfigurationError("tier capacities must be >= 0 and the record TTL >= 2 ms")
+        self._tiers = tuple(tiers)
+        self._spec = {t.name: t for t in tiers}
+        self._data = dict(data)
+        self._leases = leases
+        self.clock = clock
+        self.holder_url = holder_url
+        self.record_ttl_ms = record_ttl_ms
+        self._blocks: dict[BlockId, _Block] = {}
+        self._used: dict[Tier, int] = dict.fromkeys(names, 0)
+        self._ticks = itertools.count(1)
+        #: per tier: (priority, tick, block) in eviction order; stale entries are skipped
+        self._order: dict[Tier, list[tuple[int, int, BlockId]]] = {n: [] for n in names}
+        self._priority_ends: list[tuple[int, BlockId]] = []
+        self._refresh: list[tuple[int, BlockId]] = []
+        self._effects: list[Effect] = []
+        self.stats = StoreStats()
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def used(self) -> dict[Tier, int]:
+        """Octets held per tier."""
+        return dict(self._used)
+
+    def meta(self, block: BlockId) -> BlockMeta:
+        found = self._blocks.get(block)
+        if found is None:
+            raise NotFound(f"{block_ref(block)} is not held here")
+        return found.meta
+
+    def spans(self, block: BlockId) -> dict[Tier, Span]:
+        return dict(self._blocks[block].spans)
+
+    def record(self, block: BlockId) -> ReplicaRecord:
+        return self._record(block, self._blocks[block])
+
+    def take_effects(self) -> list[Effect]:
+        effects, self._effects = self._effects, []
+        return effects
+
+    # -- storing -------------------------------------------------------------------------------
+
+    def put(
+        self,
+        block: BlockId,
+        meta: BlockMeta,
+        data: memoryview,
+        placement: Sequence[tuple[Tier, Span]] | None = None,
+    ) -> ReplicaRecord:
+        """Store a whole block (``data``: the octets of all its layers). A block already held
+        is ``AlreadyStored`` and keeps its copy; a block no tier can take is
+        ``CapacityExhausted``. Neither changes anything."""
+        if block in self._blocks:
+            raise AlreadyStored(f"{block_ref(block)} is already held here")
+        if len(data) != meta.range_octets(0, meta.layer_count - 1):
+            raise ValueError("data must hold every layer of the block")
+        plan = self._placement(meta, placement)
+        self._expire_priorities()
+        entry = _Block(meta, {}, next(self._ticks))
+        self._blocks[block] = entry
+        try:
+            for tier, span in plan:
+                self._make_room(tier, meta.range_octets(*span), {block})
+                base = meta.offsets[0]
+                lo, hi = meta.offsets[span[0]] - base, meta.offsets[span[1] + 1] - base
+                self._data[tier].write(block, meta, span, (data[lo:hi],))
+                entry.spans[tier] = span
+                self._used[tier] += hi - lo
+                heapq.heappush(self._order[tier], (0, entry.tick, block))
+        except BaseException:
+            self._forget(block, entry)
+            raise
+        return self._published(block, entry)
+
+    def restore(self, block: BlockId, meta: BlockMeta, tier: Tier, span: Span) -> bool:
+        """Take back a range that survived a restart in ``tier`` (already verified); False,
+        and the range is deleted, when the tier has no room for it."""
+        octets = meta.range_octets(*span)
+        if block in self._blocks or self._used[tier] + octets > self._spec[tier].capacity:
+            self._data[tier].delete(block)
+            return False
+        entry = _Block(meta, {tier: span}, next(self._ticks))
+        self._blocks[block] = entry
+        self._used[tier] += octets
+        heapq.heappush(self._order[tier], (0, entry.tick, block))
+        self._published(block, entry)
+        return True
+
+    def _placement(
+        self, meta: BlockMeta, placement: Sequence[tuple[Tier, Span]] | None
+    ) -> list[tuple[Tier, Span]]:
+        whole = (0, meta.layer_count - 1)
+        if placement is None:
+            octets = meta.range_octets(*whole)
+            for spec in self._tiers:
+                if octets <= self._room(spec.name):
+                    return [(spec.name, whole)]
+            raise CapacityExhausted(
+                f"no tier can take a block of {octets} octets (leased blocks hold the rest)"
+            )
+        order = [t.name for t in self._tiers]
+        plan = list(placement)
+        expected_first = 0
+        for i, (tier, (first, last)) in enumerate(plan):
+            if tier not in self._spec or first != expected_first or last < first:
+                raise ValueError("a placement lists contiguous layer ranges in tier order")
+            if i and order.index(tier) <= order.index(plan[i - 1][0]):
+                raise ValueError("a placement lists contiguous layer ranges in tier order")
+            expected_first = last + 1
+            if meta.range_octets(first, last) > self._room(tier):
+                raise CapacityExhausted(f"tier {tier} cannot take layers {first}-{last}")
+        if expected_first != meta.layer_count:
+            raise ValueError("a placement must cover every layer of the block")
+        return plan
+
+    def _room(self, tier: Tier) -> int:
+        """Octets a tier could offer by moving or dropping every block that is not leased."""
+        pinned = 0
+        for block in self._leases.leased_blocks():
+            entry = self._blocks.get(block)
+            if entry is not None and tier in entry.spans:
+                pinned += entry.meta.range_octets(*entry.spans[tier])
+        return self._spec[tier].capacity - pinned
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def get(self, block: BlockId, first: int | None = None, last: int | None = None) -> BlockRead:
+        """Layers ``first..last`` (default: all) as a container to send; uses the block."""
+        entry = self._blocks.get(block)
+        if entry is None:
+            self.stats.misses += 1
+            raise NotFound(f"{block_ref(block)} is not held here")
+        meta = entry.meta
+        lo = 0 if first is None else first
+        hi = meta.layer_count - 1 if last is None else last
+        if not self._holds(entry, lo, hi):
+            self.stats.misses += 1
+            raise LayersUnavailable(f"layers {lo}-{hi} of {block_ref(block)} are not held here")
+        parts = []
+        for tier, span in self._in_tier_order(entry):
+            a, b = max(span[0], lo), min(span[1], hi)
+            if a > b:
+                continue
+            try:
+                parts.append(self._data[tier].read(block, meta, span, (a, b)))
+            except DigestError as exc:
+                self.stats.digest_failures += 1
+                self.drop(block)
+                raise NotFound(f"{block_ref(block)} failed verification and was dropped") from exc
+        self.stats.hits += 1
+        self._touch(block, entry)
+        remaining = entry.published_at + self.record_ttl_ms - self.clock.now_ms()
+        return BlockRead(meta.header(lo, hi), tuple(parts), self._record(block, entry), remaining)
+
+    @staticmethod
+    def _holds(entry: _Block, first: int, last: int) -> bool:
+        if not 0 <= first <= last < entry.meta.layer_count:
+            return False
+        covered = first
+        for lo, hi in sorted(entry.spans.values()):
+            if lo <= covered <= hi:
+                covered = hi + 1
+        return covered > last
+
+    def _in_tier_order(self, entry: _Block) -> list[tuple[Tier, Span]]:
+        return [(t.name, entry.spans[t.name]) for t in self._tiers if t.name in entry.spans]
+
+    def _touch(self, block: BlockId, entry: _Block) -> None:
+        entry.tick = next(self._ticks)
+        for tier in entry.spans:
+            self._push(tier, block, entry)
+
+    # -- priorities ----------------------------------------------------------------------------
+
+    def retain(self, block: BlockId, priority: int, until_ms: int) -> None:
+        """Evict ``block`` after blocks of lower priority until ``until_ms`` (still evictable)."""
+        entry = self._blocks.get(block)
+        if entry is None:
+            raise NotFound(f"{block_ref(block)} is not held here")
+        entry.priority, entry.priority_until = priority, until_ms
+        heapq.heappush(self._priority_ends, (until_ms, block))
+        for tier in entry.spans:
+            self._push(tier, block, entry)
+
+    def _effective_priority(self, entry: _Block) -> int:
+        return entry.priority if entry.priority_until > self.clock.now_ms() else 0
+
+    def _expire_priorities(self) -> None:
+        now = self.clock.now_ms()
+        ends = self._priority_ends
+        while ends and ends[0][0] <= now:
+            _, block = heapq.heappop(ends)
+            entry = self._blocks.get(block)
+            if entry is not None and entry.priority and entry.priority_until <= now:
+                entry.priority = 0
+                for tier in entry.spans:
+                    self._push(tier, block, entry)
+
+    def _push(self, tier: Tier, block: BlockId, entry: _Block) -> None:
+        order = self._order[tier]
+        heapq.heappush(order, (self._effective_priority(entry), entry.tick, block))
+        if len(order) > 64 + 4 * len(self._blocks):
+            self._order[tier] = [
+                (self._effective_priority(e), e.tick, b)
+                for b, e in self._blocks.items()
+                if tier in e.spans
+            ]
+            heapq.heapify(self._order[tier])
+
+    # -- making room ---------------------------------------------------------------------------
+
+    def _make_room(self, tier: Tier, octets: int, protect: set[BlockId]) -> None:
+        capacity = self._spec[tier].capacity
+        while self._used[tier] + octets > capacity:
+            victim = self._victim(tier, protect)
+            if victim is None:
+                raise CapacityExhausted(f"tier {tier} has no room left that is not leased")
+            self._demote_or_drop(victim, tier, protect)
+
+    def _victim(self, tier: Tier, protect: set[BlockId]) -> BlockId | None:
+        """The next block to move out of ``tier``: lowest priority, then least recently used."""
+        order = self._order[tier]
+        passed = []
+        found = None
+        while order:
+            priority, tick, block = heapq.heappop(order)
+            entry = self._blocks.get(block)
+            if (
+                entry is None
+                or tier not in entry.spans
+                or entry.tick != tick
+                or self._effective_priority(entry) != priority
+            ):
+                continue  # stale
+            passed.append((priority, tick, block))
+            if block in protect or self._leases.leased(block):
+                continue
+            found = block
+            break
+        for item in passed:
+            heapq.heappush(order, item)
+        return found
+
+    def _demote_or_drop(self, block: BlockId, tier: Tier, protect: set[BlockId]) -> None:
+        entry = self._blocks[block]
+        span = entry.spans[tier]
+        octets = entry.meta.range_octets(*span)
+        names = [t.name for t in self._tiers]
+        lower = names[names.index(tier) + 1] if names.index(tier) + 1 < len(names) else None
+        if lower is not None and octets + self._lower_octets(entry, lower) <= self._room(lower):
+            self._make_room(lower, octets, protect | {block})
+            self._move(block, entry, tier, lower)
+            self.stats.demotions[tier] = self.stats.demotions.get(tier, 0) + 1
+            self._published(block, entry)
+        else:
+            self.stats.evictions[tier] = self.stats.evictions.get(tier, 0) + 1
+            self.drop(block)
+
+    @staticmethod
+    def _lower_octets(entry: _Block, lower: Tier) -> int:
+        span = entry.spans.get(lower)
+        return 0 if span is None else entry.meta.range_octets(*span)
+
+    def _move(self, block: BlockId, entry: _Block, tier: Tier, lower: Tier) -> None:
+        meta = entry.meta
+        span = entry.spans[tier]
+        parts = [self._data[tier].read(block, meta, span, span)]
+        merged = span
+        below = entry.spans.get(lower)
+        if below is not None:
+            parts.append(self._data[lower].read(block, meta, below, below))
+            merged = (span[0], below[1])
+        self._data[lower].write(block, meta, merged, parts)
+        self._data[tier].delete(block)
+        del entry.spans[tier]
+        entry.spans[lower] = merged
+        octets = meta.range_octets(*span)
+        self._used[tier] -= octets
+        self._used[lower] += octets
+        self._push(lower, block, entry)
+
+    # -- dropping ------------------------------------------------------------------------------
+
+    def drop(self, block: BlockId) -> bool:
+        """Withdraw and remove a block from every tier, leased or not; False if not held."""
+        entry = self._blocks.get(block)
+        if entry is None:
+            return False
+        compat, scope, key = block
+        self._effects.append(
+            Withdraw(
+                ReplicaRef.model_construct(
+                    compat_id=compat, scope_id=scope, block_key=key, holder=self.holder_url
+                )
+            )
+        )
+        self._forget(block, entry)
+        return True
+
+    def _forget(self, block: BlockId, entry: _Block) -> None:
+        for tier, span in entry.spans.items():
+            self._data[tier].delete(block)
+            self._used[tier] -= entry.meta.range_octets(*span)
+        entry.spans.clear()
+        del self._blocks[block]
+
+    # -- records -------------------------------------------------------------------------------
+
+    def _record(self, block: BlockId, entry: _Block) -> ReplicaRecord:
+        meta = entry.meta
+        compat, scope, key = block
+        residency = []
+        for tier, span in self._in_tier_order(entry):
+            rate = self._spec[tier].read_mbit_per_s
+            residency.append(
+                Residency.model_construct(tier=tier, layers=span, read_mbit_per_s=rate)
+            )
+        return ReplicaRecord.model_construct(
+            block_key=key,
+            compat_id=compat,
+            scope_id=scope,
+            holder=self.holder_url,
+            codec=meta.codec,
+            size=meta.size,
+            digest="sha-256:" + meta.digest.hex(),
+            layer_digests=tuple(d.hex() for d in meta.layer_digests),
+            residency=tuple(residency),
+            ttl_ms=self.record_ttl_ms,
+            moqt_namespace=None,
+        )
+
+    def _published(self, block: BlockId, entry: _Block) -> ReplicaRecord:
+        record = self._record(block, entry)
+        entry.published_at = self.clock.now_ms()
+        heapq.heappush(self._refresh, (entry.published_at + self.record_ttl_ms // 2, block))
+        self._effects.append(Publish(record))
+        return record
+
+    def refresh_due(self) -> int:
+        """Republish every record past half its TTL; returns how many."""
+        now = self.clock.now_ms()
+        due = self._refresh
+        count = 0
+        while due and due[0][0] <= now:
+            at, block = heapq.heappop(due)
+            entry = self._blocks.get(block)
+            if entry is not None and entry.published_at + self.record_ttl_ms // 2 == at:
+                self._published(block, entry)
+                count += 1
+        return count
