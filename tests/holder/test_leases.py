@@ -12,7 +12,9 @@ from kvsp.holder.leases import LeaseLimits, LeaseTable
 from tests.holder.factories import block_id
 
 
-def table(quota: int = 1_000, max_ttl: int = 10_000, max_leases: int = 8) -> tuple[LeaseTable, ManualClock]:
+def table(
+    quota: int = 1_000, max_ttl: int = 10_000, max_leases: int = 8
+) -> tuple[LeaseTable, ManualClock]:
     clock = ManualClock()
     return LeaseTable(clock, LeaseLimits(quota, max_ttl, max_leases)), clock
 
@@ -20,14 +22,18 @@ def table(quota: int = 1_000, max_ttl: int = 10_000, max_leases: int = 8) -> tup
 def test_grant_renew_release_expire() -> None:
     leases, clock = table()
     grant = leases.grant("a", [(block_id(1), 100), (block_id(2), 100)], 5_000)
-    assert grant.ttl_ms == 5_000 and not grant.clipped and len(grant.lease) >= 16
-    assert leases.leased(block_id(1)) and leases.octets_by_client() == {"a": 200}
+    assert grant.ttl_ms == 5_000
+    assert not grant.clipped
+    assert len(grant.lease) >= 16
+    assert leases.leased(block_id(1))
+    assert leases.octets_by_client() == {"a": 200}
     clock.advance(4_000)
     assert leases.renew("a", grant.lease, 5_000).ttl_ms == 5_000
     clock.advance(4_000)
     assert leases.leased(block_id(2))  # renewed: 1 s left
     clock.advance(1_000)
-    assert not leases.leased(block_id(2)) and leases.octets_by_client() == {}
+    assert not leases.leased(block_id(2))
+    assert leases.octets_by_client() == {}
     with pytest.raises(NotFound):
         leases.renew("a", grant.lease, 1_000)
     second = leases.grant("a", [(block_id(1), 100)], 1_000)
@@ -48,7 +54,8 @@ def test_octet_quota_is_per_client_and_grants_nothing_beyond() -> None:
     leases.grant("a", [(block_id(1), 200)], 1_000)
     with pytest.raises(LeaseQuotaExceeded):
         leases.grant("a", [(block_id(2), 30), (block_id(3), 30)], 1_000)
-    assert not leases.leased(block_id(2)) and leases.octets_by_client() == {"a": 200}
+    assert not leases.leased(block_id(2))
+    assert leases.octets_by_client() == {"a": 200}
     leases.grant("b", [(block_id(2), 250)], 1_000)  # b has its own quota
 
 
@@ -87,7 +94,12 @@ def test_limits_are_checked() -> None:
 
 @given(
     st.lists(
-        st.tuples(st.sampled_from("abc"), st.integers(1, 400), st.integers(1, 30_000), st.integers(0, 5_000)),
+        st.tuples(
+            st.sampled_from("abc"),
+            st.integers(1, 400),
+            st.integers(1, 30_000),
+            st.integers(0, 5_000),
+        ),
         max_size=40,
     )
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -13,6 +15,7 @@ from kvsp.core.problems import (
     ConfigurationError,
     DigestError,
     LayersUnavailable,
+    LeaseQuotaExceeded,
     NotFound,
 )
 from kvsp.core.registries import Tier
@@ -72,8 +75,10 @@ def test_put_get_roundtrip_and_record() -> None:
     store, _, _ = make()
     meta, data, octets = stored(1)
     record = store.put(block_id(1), meta, data)
-    assert record.holder == HOLDER and record.size == len(octets) == meta.size
-    assert record.residency[0].tier == "host" and record.residency[0].layers == (0, 3)
+    assert record.holder == HOLDER
+    assert record.size == len(octets) == meta.size
+    assert record.residency[0].tier == "host"
+    assert record.residency[0].layers == (0, 3)
     assert record.digest == "sha-256:" + container(1).digest().hex()
     read = store.get(block_id(1))
     assert read.header.encode() + b"".join(read.parts) == octets
@@ -120,7 +125,10 @@ def test_exact_eviction_order_lru_with_demotion_then_drop() -> None:
     put(store, 4)  # 1 is LRU in host: to disk
     put(store, 5)  # 3 to disk; disk full: its LRU (2) is dropped first
     assert where(store, 1, 2, 3, 4, 5) == ["disk", None, "disk", "host", "host"]
-    kinds = [(type(e).__name__, (e.ref if isinstance(e, Withdraw) else e.record).block_key) for e in store.take_effects()]
+    kinds = [
+        (type(e).__name__, (e.ref if isinstance(e, Withdraw) else e.record).block_key)
+        for e in store.take_effects()
+    ]
     assert kinds == [
         ("Publish", block_id(1)[2]),
         ("Publish", block_id(4)[2]),
@@ -128,7 +136,8 @@ def test_exact_eviction_order_lru_with_demotion_then_drop() -> None:
         ("Publish", block_id(3)[2]),
         ("Publish", block_id(5)[2]),
     ]
-    assert store.stats.evictions == {"disk": 1} and store.stats.demotions == {"host": 3}
+    assert store.stats.evictions == {"disk": 1}
+    assert store.stats.demotions == {"host": 3}
 
 
 def test_retain_priority_orders_eviction_until_it_ends() -> None:
@@ -151,7 +160,8 @@ def test_leased_block_is_never_moved_and_full_tier_refuses() -> None:
     store.take_effects()
     with pytest.raises(CapacityExhausted):
         put(store, 3)
-    assert where(store, 1, 2, 3) == ["host", "host", None] and store.take_effects() == []
+    assert where(store, 1, 2, 3) == ["host", "host", None]
+    assert store.take_effects() == []
     clock.advance(5_000)  # lease over
     put(store, 3)
     assert where(store, 1, 2, 3) == [None, "host", "host"]
@@ -189,7 +199,7 @@ def test_split_placement_and_merge_on_demotion() -> None:
     assert store.spans(block_id(1)) == {"disk": (0, 3)}
     read = store.get(block_id(1), 1, 3)
     assert read.header.encode() + b"".join(read.parts) == container(1).slice(1, 3).tobytes()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="tier order"):
         store.put(block_id(4), *stored(4)[:2], placement=[("disk", (0, 1)), ("host", (2, 3))])
 
 
@@ -227,9 +237,9 @@ def test_remaining_ttl_and_configuration_errors() -> None:
     put(store, 1)
     clock.advance(3_000)
     assert store.get(block_id(1)).remaining_ttl_ms == 7_000
+    no_data: dict[Tier, MemoryTier] = {}
     with pytest.raises(ConfigurationError):
-        make_bad = BlockStore([TierSpec("host", 1)], {}, LeaseTable(clock, LeaseLimits()), clock, HOLDER)
-        del make_bad
+        BlockStore([TierSpec("host", 1)], no_data, LeaseTable(clock, LeaseLimits()), clock, HOLDER)
 
 
 def test_meta_of_a_partial_container_is_refused() -> None:
@@ -257,22 +267,16 @@ def test_leased_blocks_survive_any_pressure_and_capacity_holds(
         b = block_id(n)
         pinned_before = {x for x in leases.leased_blocks() if x in store}
         if op == "put":
-            try:
+            with contextlib.suppress(AlreadyStored, CapacityExhausted):
                 put(store, n)
-            except (AlreadyStored, CapacityExhausted):
-                pass
         elif op == "get" and b in store:
             store.get(b)
         elif op == "lease" and b in store and n not in lease_ids:
-            try:
+            with contextlib.suppress(LeaseQuotaExceeded):
                 lease_ids[n] = leases.grant("c", [(b, store.meta(b).size)], 2_000).lease
-            except Exception:  # quota
-                pass
         elif op == "release" and n in lease_ids:
-            try:
+            with contextlib.suppress(NotFound):  # expired already
                 leases.release("c", lease_ids.pop(n))
-            except NotFound:  # expired already
-                pass
         elif op == "advance":
             clock.advance(n * 100)
         # a block leased before the operation (and still leased) was not evicted or moved
@@ -280,7 +284,8 @@ def test_leased_blocks_survive_any_pressure_and_capacity_holds(
             if leases.leased(x):
                 assert x in store
         used = store.used()
-        assert used["host"] <= 3 * BLOCK and used["disk"] <= 3 * BLOCK
+        assert used["host"] <= 3 * BLOCK
+        assert used["disk"] <= 3 * BLOCK
         assert sum(used.values()) == sum(
             store.meta(x).size - store.meta(x).header(0, 3).header_octets
             for x in (block_id(i) for i in range(12))

@@ -38,7 +38,9 @@ def test_a_flipped_byte_is_found_on_read_and_on_scan(tmp_path: Path) -> None:
     with pytest.raises(DigestError):
         disk.read(block_id(1), meta, (2, 3), (3, 3))
     (found,) = list(disk.scan())
-    assert found.meta is None and found.block == block_id(1) and "layer 3" in (found.problem or "")
+    assert found.meta is None
+    assert found.block == block_id(1)
+    assert "layer 3" in (found.problem or "")
     assert not path.exists()
 
 
@@ -56,7 +58,8 @@ def test_damaged_files_are_removed_on_scan(tmp_path: Path, damage: str) -> None:
     else:
         path.write_bytes(b"X" + raw[1:])
     (found,) = list(disk.scan())
-    assert found.meta is None and not path.exists()
+    assert found.meta is None
+    assert not path.exists()
 
 
 def test_leftover_temporary_and_stray_files_are_removed(tmp_path: Path) -> None:
@@ -69,7 +72,8 @@ def test_leftover_temporary_and_stray_files_are_removed(tmp_path: Path) -> None:
     stray = path.parent / "not-a-block.kvsp"
     stray.write_bytes(b"?")
     assert [f.block for f in disk.scan()] == [block_id(1)]
-    assert not temp.exists() and not stray.exists()
+    assert not temp.exists()
+    assert not stray.exists()
 
 
 def test_meta_json_roundtrip_and_rejects() -> None:
@@ -77,6 +81,10 @@ def test_meta_json_roundtrip_and_rejects() -> None:
     assert BlockMeta.from_json(__import__("json").dumps(meta.to_json())) == meta
     from kvsp.core.problems import RecordError
 
-    for bad in ("{", '{"codec": 1}', '{"codec":1,"token_count":1,"lengths":[[1,1]],"layer_digests":["00"]}'):
+    for bad in (
+        "{",
+        '{"codec": 1}',
+        '{"codec":1,"token_count":1,"lengths":[[1,1]],"layer_digests":["00"]}',
+    ):
         with pytest.raises(RecordError):
             BlockMeta.from_json(bad)

@@ -84,7 +84,10 @@ class HolderConfig:
 
 
 class HolderService:
-    def __init__(self, config: HolderConfig, clock: Clock | None = None) -> None:
+    def __init__(
+        self, config: HolderConfig, clock: Clock | None = None, index: IndexClient | None = None
+    ) -> None:
+        """``index`` replaces the client built from ``config.index_url`` (tests pass one)."""
         parts = urlsplit(config.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigurationError(f"holder URL {config.url!r} is not an http(s) URL")
@@ -98,9 +101,9 @@ class HolderService:
             specs, data, self.leases, self.clock, self.url, config.record_ttl_ms
         )
         self.capacities = {s.name: s.capacity for s in specs}
-        self.index = (
-            None if config.index_url is None else IndexClient(config.index_url, config.index_token)
-        )
+        if index is None and config.index_url is not None:
+            index = IndexClient(config.index_url, config.index_token)
+        self.index = index
         self.registry = CollectorRegistry()
         self.rejected = Counter(
             "kvsp_holder_rejected_requests",

@@ -1,0 +1,358 @@
+"""The holder over HTTP, in process: block GET/PUT, layer ranges, leases, verification by the
+client, publishing to a real (in-process) Index Service, bad input and authorization."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from kvsp.auth import Principals, token_sha256
+from kvsp.core.clock import ManualClock
+from kvsp.core.digests import parse_repr_digest
+from kvsp.core.problems import (
+    AlreadyStored,
+    DigestError,
+    Forbidden,
+    LayersUnavailable,
+    LeaseQuotaExceeded,
+    NotFound,
+)
+from kvsp.core.records import LeaseRequest, LookupRequest, ReplicaRecord
+from kvsp.holder.app import create_app
+from kvsp.holder.client import HolderClient
+from kvsp.holder.leases import LeaseLimits
+from kvsp.holder.service import HolderConfig, HolderService
+from kvsp.index.app import create_app as create_index_app
+from kvsp.index.client import IndexClient
+from kvsp.index.service import IndexService
+from kvsp.index.state import IndexLimits
+from kvsp.index.stores import MemoryReplicaStore
+from tests.holder.factories import COMPAT, OTHER_SCOPE, SCOPE, block_id, container
+
+pytestmark = pytest.mark.anyio
+
+HOLDER = "http://holder.test/kvsp/"
+INDEX = "http://index.test/kvsp/"
+BLOCK_DATA = 4 * 128
+
+PRINCIPALS = f"""
+[principals.c1]
+token_sha256 = "{token_sha256("c1")}"
+roles = ["client"]
+scopes = ["{SCOPE}"]
+
+[principals.c2]
+token_sha256 = "{token_sha256("c2")}"
+roles = ["client"]
+scopes = ["{SCOPE}"]
+
+[principals.other]
+token_sha256 = "{token_sha256("other")}"
+roles = ["client"]
+scopes = ["{OTHER_SCOPE}"]
+
+[principals.holder]
+token_sha256 = "{token_sha256("holder")}"
+roles = ["holder"]
+holders = ["{HOLDER}"]
+scopes = ["*"]
+
+[principals.pc]
+token_sha256 = "{token_sha256("pc")}"
+roles = ["controller"]
+scopes = ["*"]
+"""
+
+
+class Env:
+    def __init__(self, clock: ManualClock) -> None:
+        principals = Principals.parse(PRINCIPALS)
+        self.index_service = IndexService(
+            MemoryReplicaStore(clock, IndexLimits(max_ttl_ms=600_000, max_records=1000))
+        )
+        index_app = create_index_app(self.index_service, principals)
+        self.index_transport = httpx.ASGITransport(app=index_app)
+        self.service = HolderService(
+            HolderConfig(
+                url=HOLDER,
+                host_bytes=2 * BLOCK_DATA,
+                leases=LeaseLimits(quota_octets=2_000, max_ttl_ms=30_000),
+                record_ttl_ms=60_000,
+            ),
+            clock,
+            IndexClient(INDEX, "holder", transport=self.index_transport),
+        )
+        self.transport = httpx.ASGITransport(app=create_app(self.service, principals))
+        self.http = httpx.AsyncClient(transport=self.transport, base_url=HOLDER)
+
+    def client(self, token: str | None) -> HolderClient:
+        return HolderClient(token, transport=self.transport)
+
+    async def settle(self) -> None:
+        """Wait until every index update has been delivered."""
+        await self.service._run(lambda: None)
+        if self.service._pending:
+            await self.service._flush()
+
+    async def lookup(self, *ns: int) -> int:
+        pc = IndexClient(INDEX, "pc", transport=self.index_transport)
+        request = LookupRequest(
+            scope_id=SCOPE, compat_id=COMPAT, block_keys=tuple(block_id(n)[2] for n in ns)
+        )
+        return (await pc.lookup(request)).matched
+
+
+@pytest.fixture
+async def env() -> AsyncIterator[Env]:
+    e = Env(ManualClock())
+    await e.service.start()
+    try:
+        yield e
+    finally:
+        await e.http.aclose()
+        await e.service.close()
+
+
+def path(n: int, scope: str = SCOPE) -> str:
+    compat, s, key = block_id(n, scope)
+    return f"blocks/{compat}/{s}/{key}"
+
+
+async def put_raw(env: Env, n: int, token: str = "c1", **headers: Any) -> httpx.Response:
+    sent = {
+        "authorization": f"Bearer {token}",
+        "content-type": "application/kvsp-block",
+        "if-none-match": "*",
+        **headers,
+    }
+    return await env.http.put(path(n), content=container(n).tobytes(), headers=sent)
+
+
+async def test_put_then_get_serves_the_container_with_its_headers(env: Env) -> None:
+    record = await env.client("c1").put(HOLDER, block_id(1), container(1))
+    assert record.holder == HOLDER
+    assert record.layer_digests is not None
+    response = await env.http.get(path(1), headers={"authorization": "Bearer c2"})
+    assert response.status_code == 200
+    assert response.content == container(1).tobytes()
+    assert response.headers["content-type"] == "application/kvsp-block"
+    assert (
+        parse_repr_digest(response.headers["repr-digest"])
+        == hashlib.sha256(response.content).digest()
+    )
+    assert response.headers["cache-control"] == "private, immutable, max-age=60"
+
+
+async def test_verified_get_stream_and_layer_ranges(env: Env) -> None:
+    record = await env.client("c1").put(HOLDER, block_id(1), container(1))
+    c2 = env.client("c2")
+    assert (await c2.get(record)).tobytes() == container(1).tobytes()
+    part = await c2.get(record, (1, 2))
+    assert part.tobytes() == container(1).slice(1, 2).tobytes()
+    layers = [layer async for layer in c2.stream(record, (2, 3))]
+    assert [layer.layer for layer in layers] == [2, 3]
+    assert bytes(layers[0].k) == bytes(container(1).layers[2].k)
+    with pytest.raises(LayersUnavailable):
+        await c2.get(record, (2, 4))
+    response = await env.http.get(
+        path(1), params={"layers": "0-0", "codec": "1"}, headers={"authorization": "Bearer c1"}
+    )
+    assert response.status_code == 200
+    assert (
+        parse_repr_digest(response.headers["repr-digest"])
+        == hashlib.sha256(response.content).digest()
+    )
+
+
+async def test_second_put_is_412_and_keeps_the_first_copy(env: Env) -> None:
+    assert (await put_raw(env, 1)).status_code == 201
+    response = await env.http.put(
+        path(1),
+        content=container(2).tobytes(),
+        headers={
+            "authorization": "Bearer c1",
+            "content-type": "application/kvsp-block",
+            "if-none-match": "*",
+        },
+    )
+    assert response.status_code == 412
+    assert response.json()["type"].endswith("#kvsp-already-stored")
+    got = await env.http.get(path(1), headers={"authorization": "Bearer c1"})
+    assert got.content == container(1).tobytes()
+    with pytest.raises(AlreadyStored):
+        await env.client("c1").put(HOLDER, block_id(1), container(1))
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "status", "slug"),
+    [
+        ({"if-none-match": ""}, None, 428, "kvsp-precondition-required"),
+        ({"content-type": "application/octet-stream"}, None, 415, "kvsp-unsupported-media-type"),
+        ({}, b"KVB1 not really", 400, "kvsp-invalid-container"),
+        ({}, "slice", 400, "kvsp-invalid-container"),
+        ({}, "truncated", 400, "kvsp-invalid-container"),
+        ({"authorization": "Bearer other"}, None, 403, "kvsp-forbidden"),
+        ({"authorization": "Bearer nobody"}, None, 401, "kvsp-unauthenticated"),
+        ({"authorization": ""}, None, 401, "kvsp-unauthenticated"),
+    ],
+)
+async def test_bad_puts_are_problems_and_store_nothing(
+    env: Env, headers: dict[str, str], body: Any, status: int, slug: str
+) -> None:
+    octets = {
+        None: container(1).tobytes(),
+        "slice": container(1).slice(1, 3).tobytes(),
+        "truncated": container(1).tobytes()[:-1],
+    }.get(body, body)
+    sent = {
+        "authorization": "Bearer c1",
+        "content-type": "application/kvsp-block",
+        "if-none-match": "*",
+        **headers,
+    }
+    response = await env.http.put(path(1), content=octets, headers=sent)
+    assert response.status_code == status
+    assert response.headers["content-type"] == "application/problem+json"
+    assert response.json()["type"].endswith("#" + slug)
+    assert block_id(1) not in env.service.store
+    await env.settle()
+    assert await env.lookup(1) == 0
+
+
+@pytest.mark.parametrize(
+    ("query", "status"),
+    [
+        ("layers=3-1", 400),
+        ("layers=x", 400),
+        ("layers=1-2&layers=1-2", 400),
+        ("codec=7", 400),
+        ("codec=abc", 400),
+        ("color=red", 400),
+        ("layers=2-9", 404),
+        ("layers=4-4", 404),
+    ],
+)
+async def test_bad_gets(env: Env, query: str, status: int) -> None:
+    await put_raw(env, 1)
+    response = await env.http.get(path(1) + "?" + query, headers={"authorization": "Bearer c1"})
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+
+
+async def test_get_needs_the_scope_and_a_valid_path(env: Env) -> None:
+    await put_raw(env, 1)
+    response = await env.http.get(path(1), headers={"authorization": "Bearer other"})
+    assert response.status_code == 403
+    bad = path(1).replace(COMPAT, "zz" * 32)
+    assert (await env.http.get(bad, headers={"authorization": "Bearer c1"})).status_code == 400
+    assert (await env.http.get(path(5), headers={"authorization": "Bearer c1"})).status_code == 404
+
+
+class Tamper:
+    """An ASGI wrapper that alters a holder's block answers on the way out."""
+
+    def __init__(self, app: Any, mode: str) -> None:
+        self.app, self.mode = app, mode
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def altered(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and self.mode == "digest":
+                message["headers"] = [
+                    (k, b"sha-256=:" + b"A" * 43 + b"=:") if k == b"repr-digest" else (k, v)
+                    for k, v in message["headers"]
+                ]
+            if (
+                message["type"] == "http.response.body"
+                and self.mode == "flip"
+                and message.get("more_body") is False
+            ):
+                body = bytearray(message["body"])
+                body[-1] ^= 1
+                message["body"] = bytes(body)
+            await send(message)
+
+        await self.app(scope, receive, altered)
+
+
+@pytest.mark.parametrize("mode", ["digest", "flip"])
+async def test_client_never_hands_out_octets_that_fail_verification(env: Env, mode: str) -> None:
+    record = await env.client("c1").put(HOLDER, block_id(1), container(1))
+    tampered = httpx.ASGITransport(app=Tamper(env.transport.app, mode))
+    client = HolderClient("c1", transport=tampered)
+    with pytest.raises(DigestError):
+        await client.get(record)
+    received: list[int] = []
+
+    async def consume() -> None:
+        async for layer in client.stream(record):
+            received.append(layer.layer)
+
+    with pytest.raises(DigestError):
+        await consume()
+    if mode == "flip":
+        assert 3 not in received  # the last layer failed its digest before it was handed out
+
+
+async def test_client_checks_the_record_it_was_given(env: Env) -> None:
+    record = await env.client("c1").put(HOLDER, block_id(1), container(1))
+    other = ReplicaRecord.parse(
+        {**record.to_json(), "layer_digests": None, "digest": "sha-256:" + "00" * 32}
+    )
+    with pytest.raises(DigestError):
+        await env.client("c1").get(other)
+
+
+async def test_leases_grant_renew_release_quota_and_missing_keys(env: Env) -> None:
+    await put_raw(env, 1)
+    await put_raw(env, 2)
+    c1 = env.client("c1")
+    size = env.service.store.meta(block_id(1)).size
+    request = LeaseRequest(
+        compat_id=COMPAT, scope_id=SCOPE, block_keys=(block_id(1)[2],), ttl_ms=60_000
+    )
+    grant = await c1.lease(HOLDER, request)
+    assert grant.ttl_ms == 30_000
+    assert grant.clipped
+    renewed = await c1.renew(HOLDER, grant.lease, 1_000)
+    assert (renewed.ttl_ms, renewed.clipped) == (1_000, False)
+    with pytest.raises(NotFound):
+        await env.client("c2").release(HOLDER, grant.lease)
+    missing = request.model_copy(update={"block_keys": (block_id(2)[2], block_id(9)[2])})
+    with pytest.raises(NotFound):
+        await c1.lease(HOLDER, missing)
+    assert env.service.leases.octets_by_client() == {"c1": size}
+    many = request.model_copy(update={"block_keys": (block_id(1)[2], block_id(2)[2]) * 1})
+    await c1.lease(HOLDER, many)  # 3 x size
+    with pytest.raises(LeaseQuotaExceeded):
+        await c1.lease(HOLDER, many)
+    response = await env.http.post(
+        "leases",
+        content=many.model_dump_json(),
+        headers={"authorization": "Bearer c1", "content-type": "application/json"},
+    )
+    assert response.status_code == 429
+    assert response.json()["type"].endswith("#kvsp-lease-quota")
+    await c1.release(HOLDER, grant.lease)
+    with pytest.raises(NotFound):
+        await c1.release(HOLDER, grant.lease)
+    with pytest.raises(Forbidden):
+        await env.client("other").lease(HOLDER, request)
+
+
+async def test_the_index_hears_of_every_store_and_eviction(env: Env) -> None:
+    for n in (1, 2):
+        await put_raw(env, n)
+    await env.settle()
+    assert await env.lookup(1, 2) == 2
+    await put_raw(env, 3)  # host holds two blocks and there is no disk: 1 is evicted
+    await env.settle()
+    assert await env.lookup(1) == 0
+    assert await env.lookup(2, 3) == 2
+    text = (await env.http.get("metrics")).text
+    assert 'kvsp_holder_bytes{tier="host"} 1024.0' in text
+    assert 'kvsp_holder_evictions_total{tier="host"} 1.0' in text
+    assert "kvsp_holder_index_pending 0.0" in text
