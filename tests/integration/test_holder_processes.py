@@ -1,0 +1,186 @@
+"""A holder as a real process beside a real Index Service: blocks stored and served over the
+network, demotion to disk, a holder SIGKILLed while writing, and a corrupted disk file."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvsp.auth import token_sha256
+from kvsp.core.problems import KvspError, NotFound, ServiceUnavailable
+from kvsp.core.records import LookupRequest, ReplicaRecord
+from kvsp.holder.client import HolderClient
+from kvsp.index.client import IndexClient
+from tests.holder.factories import COMPAT, SCOPE, block_id, container
+from tests.servers import Service, free_port, running
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+#: 30 layers x 2 x 4 KiB: a block of about 240 KB
+LAYERS, SECTION = 30, 4096
+
+
+def principals(holder_url: str) -> str:
+    return f"""
+[principals.holder]
+token_sha256 = "{token_sha256("holder")}"
+roles = ["holder"]
+holders = ["{holder_url}"]
+scopes = ["*"]
+
+[principals.client]
+token_sha256 = "{token_sha256("client")}"
+roles = ["client", "controller"]
+scopes = ["{SCOPE}"]
+"""
+
+
+class Cluster:
+    def __init__(self, tmp: Path, host_bytes: str, disk_bytes: str = "64M") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/kvsp/"
+        auth = tmp / "principals.toml"
+        auth.write_text(principals(self.url))
+        token = tmp / "holder.token"
+        token.write_text("holder\n")
+        self.disk = tmp / "disk"
+        self.index = Service("index", "serve", "--auth", str(auth), "--log-level", "warning")
+        self.args = (
+            "holder", "serve", "--url", self.url, "--auth", str(auth),
+            "--index", self.index.base_url, "--index-token-file", str(token),
+            "--host-bytes", host_bytes, "--disk-dir", str(self.disk), "--disk-bytes", disk_bytes,
+            "--log-level", "warning",
+        )  # fmt: skip
+
+    def holder(self) -> Service:
+        return Service(*self.args, port=self.port)
+
+    async def matched(self, *ns: int) -> int:
+        async with IndexClient(self.index.base_url, "client") as pc:
+            request = LookupRequest(
+                scope_id=SCOPE, compat_id=COMPAT, block_keys=tuple(block_id(n)[2] for n in ns)
+            )
+            return (await pc.lookup(request)).matched
+
+    async def until_matched(self, expected: int, *ns: int) -> None:
+        for _ in range(100):
+            if await self.matched(*ns) == expected:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"index never matched {expected} of {ns}")
+
+    async def record(self, n: int) -> ReplicaRecord:
+        async with IndexClient(self.index.base_url, "client") as pc:
+            request = LookupRequest(scope_id=SCOPE, compat_id=COMPAT, block_keys=(block_id(n)[2],))
+            answer = await pc.lookup(request)
+        assert answer.matched == 1
+        return answer.replicas[0][0]
+
+
+def block(n: int):  # type: ignore[no-untyped-def]
+    return container(n, layers=LAYERS, section=SECTION)
+
+
+async def test_store_publish_serve_and_demote_to_disk(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, host_bytes=str(2 * block(0).header.data_octets))
+    holder = cluster.holder()
+    with running(cluster.index, holder):
+        async with HolderClient("client") as client:
+            for n in range(3):
+                await client.put(cluster.url, block_id(n), block(n))
+            await cluster.until_matched(3, 0, 1, 2)
+            record = await cluster.record(0)  # the oldest: demoted to disk
+            assert [r.tier for r in record.residency] == ["disk"]
+            assert (await client.get(record)).tobytes() == block(0).tobytes()
+            layers = [layer.layer async for layer in client.stream(record, (10, 12))]
+            assert layers == [10, 11, 12]
+    assert holder.log.count(b"Traceback") == 0
+
+
+async def test_sigkill_mid_write_loses_nothing_acknowledged(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, host_bytes="0")  # every block is written to disk
+    acknowledged: set[int] = set()
+    holder = cluster.holder()
+    with running(cluster.index):
+        holder.start()
+        async with HolderClient("client") as client:
+
+            async def writer(first: int) -> None:
+                for n in range(first, first + 200, 4):
+                    try:
+                        await client.put(cluster.url, block_id(n), block(n))
+                    except (ServiceUnavailable, KvspError):
+                        return
+                    acknowledged.add(n)
+
+            tasks = [asyncio.create_task(writer(i)) for i in range(4)]
+            while len(acknowledged) < 12:
+                await asyncio.sleep(0.01)
+            holder.stop(signal.SIGKILL)
+            await asyncio.gather(*tasks)
+        assert 12 <= len(acknowledged) < 200
+
+        restarted = cluster.holder()
+        with running(restarted):
+            async with HolderClient("client") as client:
+                for n in range(200):
+                    record = ReplicaRecord.parse({**block_record(cluster.url, n), "ttl_ms": 1})
+                    try:
+                        got = await client.get(record)
+                    except NotFound:
+                        assert n not in acknowledged, f"acknowledged block {n} was lost"
+                        continue
+                    assert got.tobytes() == block(n).tobytes()  # verified, and whole
+            await cluster.until_matched(1, min(acknowledged))
+        assert not list(cluster.disk.rglob("*.tmp-*"))
+
+
+def block_record(holder: str, n: int) -> dict[str, object]:
+    """The Replica Record a holder publishes for ``block(n)`` held on disk."""
+    c = block(n)
+    compat, scope, key = block_id(n)
+    return {
+        "block_key": key,
+        "compat_id": compat,
+        "scope_id": scope,
+        "holder": holder,
+        "codec": 1,
+        "size": c.size,
+        "digest": "sha-256:" + c.digest().hex(),
+        "layer_digests": [d.hex() for d in c.layer_digests()],
+        "residency": [{"tier": "disk", "layers": [0, LAYERS - 1]}],
+    }
+
+
+async def test_a_flipped_byte_on_disk_is_withdrawn_at_restart(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, host_bytes="0")
+    with running(cluster.index):
+        with running(cluster.holder()):
+            async with HolderClient("client") as client:
+                for n in range(3):
+                    await client.put(cluster.url, block_id(n), block(n))
+            await cluster.until_matched(3, 0, 1, 2)
+        path = next(p for p in cluster.disk.rglob("*.kvsp") if block_id(1)[2] in p.name)
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0x40
+        path.write_bytes(bytes(raw))
+        restarted = cluster.holder()
+        with running(restarted):
+            await cluster.until_matched(1, 0, 1, 2)  # block 1 withdrawn: the prefix stops there
+            assert await cluster.matched(2) == 1
+            async with HolderClient("client") as client:
+                record = ReplicaRecord.parse({**block_record(cluster.url, 1), "ttl_ms": 1})
+                with pytest.raises(NotFound):
+                    await client.get(record)
+                metrics = await _metrics(cluster.url)
+                assert "kvsp_holder_digest_failures_total 1.0" in metrics
+        assert not path.exists()
+
+
+async def _metrics(url: str) -> str:
+    async with httpx.AsyncClient() as http:
+        return (await http.get(url + "metrics")).text
