@@ -39,3 +39,4 @@ bench: bench-deps
 	$(PY) benchmarks/block_keys.py
 	$(PY) benchmarks/container.py
 	$(PY) benchmarks/index_lookup.py
+	$(PY) benchmarks/holder_transfer.py

@@ -3,12 +3,15 @@ client, publishing to a real (in-process) Index Service, bad input and authoriza
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
 from kvsp.auth import Principals, token_sha256
 from kvsp.core.clock import ManualClock
@@ -32,14 +35,16 @@ from kvsp.index.service import IndexService
 from kvsp.index.state import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore
 from tests.holder.factories import COMPAT, OTHER_SCOPE, SCOPE, block_id, container
+from tests.servers import free_port
 
 pytestmark = pytest.mark.anyio
 
-HOLDER = "http://holder.test/kvsp/"
 INDEX = "http://index.test/kvsp/"
 BLOCK_DATA = 4 * 128
 
-PRINCIPALS = f"""
+
+def principals(holder: str) -> str:
+    return f"""
 [principals.c1]
 token_sha256 = "{token_sha256("c1")}"
 roles = ["client"]
@@ -58,7 +63,7 @@ scopes = ["{OTHER_SCOPE}"]
 [principals.holder]
 token_sha256 = "{token_sha256("holder")}"
 roles = ["holder"]
-holders = ["{HOLDER}"]
+holders = ["{holder}"]
 scopes = ["*"]
 
 [principals.pc]
@@ -68,17 +73,37 @@ scopes = ["*"]
 """
 
 
+@contextlib.asynccontextmanager
+async def serving(app: Any, port: int = 0, lifespan: str = "on") -> AsyncIterator[str]:
+    """``app`` served by uvicorn on loopback (a free port unless given), in this event loop;
+    yields its base URL."""
+    port = port or free_port()
+    config = uvicorn.Config(app, "127.0.0.1", port, log_level="warning", lifespan=lifespan)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}/kvsp/"
+    finally:
+        server.should_exit = True
+        await task
+
+
 class Env:
-    def __init__(self, clock: ManualClock) -> None:
-        principals = Principals.parse(PRINCIPALS)
+    def __init__(self, holder: str, clock: ManualClock) -> None:
+        self.holder = holder
+        self.principals = Principals.parse(principals(holder))
         self.index_service = IndexService(
             MemoryReplicaStore(clock, IndexLimits(max_ttl_ms=600_000, max_records=1000))
         )
-        index_app = create_index_app(self.index_service, principals)
+        index_app = create_index_app(self.index_service, self.principals)
         self.index_transport = httpx.ASGITransport(app=index_app)
         self.service = HolderService(
             HolderConfig(
-                url=HOLDER,
+                url=holder,
                 host_bytes=2 * BLOCK_DATA,
                 leases=LeaseLimits(quota_octets=2_000, max_ttl_ms=30_000),
                 record_ttl_ms=60_000,
@@ -86,11 +111,13 @@ class Env:
             clock,
             IndexClient(INDEX, "holder", transport=self.index_transport),
         )
-        self.transport = httpx.ASGITransport(app=create_app(self.service, principals))
-        self.http = httpx.AsyncClient(transport=self.transport, base_url=HOLDER)
+        self.app = create_app(self.service, self.principals)
+        self.http = httpx.AsyncClient(base_url=holder)
+        self.clients: list[HolderClient] = []
 
     def client(self, token: str | None) -> HolderClient:
-        return HolderClient(token, transport=self.transport)
+        self.clients.append(HolderClient(token))
+        return self.clients[-1]
 
     async def settle(self) -> None:
         """Wait until every index update has been delivered."""
@@ -108,13 +135,15 @@ class Env:
 
 @pytest.fixture
 async def env() -> AsyncIterator[Env]:
-    e = Env(ManualClock())
-    await e.service.start()
-    try:
-        yield e
-    finally:
-        await e.http.aclose()
-        await e.service.close()
+    port = free_port()
+    e = Env(f"http://127.0.0.1:{port}/kvsp/", ManualClock())
+    async with serving(e.app, port):
+        try:
+            yield e
+        finally:
+            for client in e.clients:
+                await client.aclose()
+            await e.http.aclose()
 
 
 def path(n: int, scope: str = SCOPE) -> str:
@@ -133,8 +162,8 @@ async def put_raw(env: Env, n: int, token: str = "c1", **headers: Any) -> httpx.
 
 
 async def test_put_then_get_serves_the_container_with_its_headers(env: Env) -> None:
-    record = await env.client("c1").put(HOLDER, block_id(1), container(1))
-    assert record.holder == HOLDER
+    record = await env.client("c1").put(env.holder, block_id(1), container(1))
+    assert record.holder == env.holder
     assert record.layer_digests is not None
     response = await env.http.get(path(1), headers={"authorization": "Bearer c2"})
     assert response.status_code == 200
@@ -148,7 +177,7 @@ async def test_put_then_get_serves_the_container_with_its_headers(env: Env) -> N
 
 
 async def test_verified_get_stream_and_layer_ranges(env: Env) -> None:
-    record = await env.client("c1").put(HOLDER, block_id(1), container(1))
+    record = await env.client("c1").put(env.holder, block_id(1), container(1))
     c2 = env.client("c2")
     assert (await c2.get(record)).tobytes() == container(1).tobytes()
     part = await c2.get(record, (1, 2))
@@ -184,7 +213,7 @@ async def test_second_put_is_412_and_keeps_the_first_copy(env: Env) -> None:
     got = await env.http.get(path(1), headers={"authorization": "Bearer c1"})
     assert got.content == container(1).tobytes()
     with pytest.raises(AlreadyStored):
-        await env.client("c1").put(HOLDER, block_id(1), container(1))
+        await env.client("c1").put(env.holder, block_id(1), container(1))
 
 
 @pytest.mark.parametrize(
@@ -280,25 +309,26 @@ class Tamper:
 
 @pytest.mark.parametrize("mode", ["digest", "flip"])
 async def test_client_never_hands_out_octets_that_fail_verification(env: Env, mode: str) -> None:
-    record = await env.client("c1").put(HOLDER, block_id(1), container(1))
-    tampered = httpx.ASGITransport(app=Tamper(env.transport.app, mode))
-    client = HolderClient("c1", transport=tampered)
-    with pytest.raises(DigestError):
-        await client.get(record)
-    received: list[int] = []
+    record = await env.client("c1").put(env.holder, block_id(1), container(1))
+    async with serving(Tamper(env.app, mode), lifespan="off") as tampered:
+        client = env.client("c1")
+        record = record.model_copy(update={"holder": tampered})
+        with pytest.raises(DigestError):
+            await client.get(record)
+        received: list[int] = []
 
-    async def consume() -> None:
-        async for layer in client.stream(record):
-            received.append(layer.layer)
+        async def consume() -> None:
+            async for layer in client.stream(record):
+                received.append(layer.layer)
 
-    with pytest.raises(DigestError):
-        await consume()
+        with pytest.raises(DigestError):
+            await consume()
     if mode == "flip":
         assert 3 not in received  # the last layer failed its digest before it was handed out
 
 
 async def test_client_checks_the_record_it_was_given(env: Env) -> None:
-    record = await env.client("c1").put(HOLDER, block_id(1), container(1))
+    record = await env.client("c1").put(env.holder, block_id(1), container(1))
     other = ReplicaRecord.parse(
         {**record.to_json(), "layer_digests": None, "digest": "sha-256:" + "00" * 32}
     )
@@ -314,21 +344,21 @@ async def test_leases_grant_renew_release_quota_and_missing_keys(env: Env) -> No
     request = LeaseRequest(
         compat_id=COMPAT, scope_id=SCOPE, block_keys=(block_id(1)[2],), ttl_ms=60_000
     )
-    grant = await c1.lease(HOLDER, request)
+    grant = await c1.lease(env.holder, request)
     assert grant.ttl_ms == 30_000
     assert grant.clipped
-    renewed = await c1.renew(HOLDER, grant.lease, 1_000)
+    renewed = await c1.renew(env.holder, grant.lease, 1_000)
     assert (renewed.ttl_ms, renewed.clipped) == (1_000, False)
     with pytest.raises(NotFound):
-        await env.client("c2").release(HOLDER, grant.lease)
+        await env.client("c2").release(env.holder, grant.lease)
     missing = request.model_copy(update={"block_keys": (block_id(2)[2], block_id(9)[2])})
     with pytest.raises(NotFound):
-        await c1.lease(HOLDER, missing)
+        await c1.lease(env.holder, missing)
     assert env.service.leases.octets_by_client() == {"c1": size}
     many = request.model_copy(update={"block_keys": (block_id(1)[2], block_id(2)[2]) * 1})
-    await c1.lease(HOLDER, many)  # 3 x size
+    await c1.lease(env.holder, many)  # 3 x size
     with pytest.raises(LeaseQuotaExceeded):
-        await c1.lease(HOLDER, many)
+        await c1.lease(env.holder, many)
     response = await env.http.post(
         "leases",
         content=many.model_dump_json(),
@@ -336,11 +366,11 @@ async def test_leases_grant_renew_release_quota_and_missing_keys(env: Env) -> No
     )
     assert response.status_code == 429
     assert response.json()["type"].endswith("#kvsp-lease-quota")
-    await c1.release(HOLDER, grant.lease)
+    await c1.release(env.holder, grant.lease)
     with pytest.raises(NotFound):
-        await c1.release(HOLDER, grant.lease)
+        await c1.release(env.holder, grant.lease)
     with pytest.raises(Forbidden):
-        await env.client("other").lease(HOLDER, request)
+        await env.client("other").lease(env.holder, request)
 
 
 async def test_the_index_hears_of_every_store_and_eviction(env: Env) -> None:

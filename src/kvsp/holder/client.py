@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import TracebackType
 
-import httpx
+import aiohttp
 
 from kvsp.core.container import Container, ContainerParser, LayerSections
 from kvsp.core.digests import verify_repr_digest
@@ -23,7 +23,7 @@ from kvsp.core.problems import DigestError, ServiceUnavailable
 from kvsp.core.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord
 from kvsp.core.urls import canonical_url
 from kvsp.holder.blocks import BLOCK_MEDIA_TYPE, BlockId, block_ref
-from kvsp.web.client import auth_headers, raise_for_problem, transport_errors
+from kvsp.web.client import auth_headers, problem_for
 from kvsp.web.server import JSON_MEDIA_TYPE
 
 __all__ = ["BlockReceiver", "HolderClient"]
@@ -68,20 +68,17 @@ class BlockReceiver:
 
 
 class HolderClient:
-    """Talks to any holder (records name their holder's base URL) with one bearer token."""
+    """Talks to any holder (records name their holder's base URL) with one bearer token.
 
-    def __init__(
-        self,
-        token: str | None = None,
-        timeout_s: float = 30.0,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        self._http = httpx.AsyncClient(
-            headers=auth_headers(token),
-            timeout=timeout_s,
-            transport=transport,
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
-        )
+    Block octets travel over aiohttp, whose C parser moves large bodies several times faster
+    than httpx on the same machine (docs/decisions/0007-holder.md); the session is opened on
+    first use, inside the running event loop.
+    """
+
+    def __init__(self, token: str | None = None, timeout_s: float = 30.0) -> None:
+        self._headers = auth_headers(token)
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> HolderClient:
         return self
@@ -95,49 +92,54 @@ class HolderClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
-    @staticmethod
-    def _url(holder: str, path: str) -> str:
-        return canonical_url(holder) + path
-
-    async def _send(self, request: httpx.Request) -> httpx.Response:
+    @asynccontextmanager
+    async def _request(
+        self,
+        method: str,
+        holder: str,
+        path: str,
+        *,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        params: dict[str, str] | None = None,
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """A 2xx response (problem documents are raised as kvsp errors); a holder that cannot
+        be reached, or goes away mid-answer, is ``ServiceUnavailable``."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                headers=self._headers,
+                timeout=self._timeout,
+                connector=aiohttp.TCPConnector(limit=64),
+            )
+        url = canonical_url(holder) + path
         try:
-            response = await self._http.send(request)
-        except transport_errors as exc:
-            raise ServiceUnavailable(f"holder unreachable: {exc!r}") from None
-        raise_for_problem(response)
-        return response
+            async with self._session.request(
+                method, url, data=body, headers=headers, params=params
+            ) as response:
+                if not 200 <= response.status < 300:
+                    raise problem_for(response.status, await response.read(), f"{method} {url}")
+                yield response
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ServiceUnavailable(f"holder {holder} unreachable: {exc!r}") from None
 
     @asynccontextmanager
     async def _receiver(
         self, record: ReplicaRecord, layers: tuple[int, int] | None
-    ) -> AsyncIterator[tuple[httpx.Response, BlockReceiver]]:
+    ) -> AsyncIterator[tuple[aiohttp.ClientResponse, BlockReceiver]]:
         block = (record.compat_id, record.scope_id, record.block_key)
-        params = {} if layers is None else {"layers": f"{layers[0]}-{layers[1]}"}
-        request = self._http.build_request(
-            "GET", self._url(record.holder, block_ref(block)), params=params
-        )
-        try:
-            response = await self._http.send(request, stream=True)
-        except transport_errors as exc:
-            raise ServiceUnavailable(f"holder unreachable: {exc!r}") from None
-        try:
-            if not response.is_success:
-                await response.aread()
-                raise_for_problem(response)
-            yield response, BlockReceiver(record, layers, response.headers.get("repr-digest"))
-        finally:
-            await response.aclose()
+        params = None if layers is None else {"layers": f"{layers[0]}-{layers[1]}"}
+        async with self._request("GET", record.holder, block_ref(block), params=params) as r:
+            yield r, BlockReceiver(record, layers, r.headers.get("repr-digest"))
 
     async def get(self, record: ReplicaRecord, layers: tuple[int, int] | None = None) -> Container:
         """The block (or layers ``a..b``) of ``record`` from its holder, fully verified."""
         async with self._receiver(record, layers) as (response, receiver):
-            try:
-                async for chunk in response.aiter_raw():
-                    receiver.feed(chunk)
-            except transport_errors as exc:
-                raise ServiceUnavailable(f"holder went away mid-block: {exc!r}") from None
+            async for chunk in response.content.iter_any():
+                receiver.feed(chunk)
             return receiver.finish()
 
     async def stream(
@@ -145,39 +147,30 @@ class HolderClient:
     ) -> AsyncIterator[LayerSections]:
         """Each layer as soon as it has arrived and matched its layer digest."""
         async with self._receiver(record, layers) as (response, receiver):
-            try:
-                async for chunk in response.aiter_raw():
-                    for layer in receiver.feed(chunk):
-                        yield layer
-            except transport_errors as exc:
-                raise ServiceUnavailable(f"holder went away mid-block: {exc!r}") from None
+            async for chunk in response.content.iter_any():
+                for layer in receiver.feed(chunk):
+                    yield layer
             receiver.finish()
 
     async def put(self, holder: str, block: BlockId, container: Container) -> ReplicaRecord:
         """Store a whole block at ``holder``; ``AlreadyStored`` if it holds the key already."""
-        request = self._http.build_request(
-            "PUT",
-            self._url(holder, block_ref(block)),
-            content=container.tobytes(),
-            headers={"content-type": BLOCK_MEDIA_TYPE, "if-none-match": "*"},
-        )
-        return ReplicaRecord.parse((await self._send(request)).content)
+        headers = {"content-type": BLOCK_MEDIA_TYPE, "if-none-match": "*"}
+        body = container.tobytes()
+        async with self._request("PUT", holder, block_ref(block), body=body, headers=headers) as r:
+            return ReplicaRecord.parse(await r.read())
 
-    async def _json(self, method: str, url: str, body: bytes | None = None) -> httpx.Response:
-        headers = {"content-type": JSON_MEDIA_TYPE} if body is not None else {}
-        return await self._send(
-            self._http.build_request(method, url, content=body, headers=headers)
-        )
+    async def _json(self, method: str, holder: str, path: str, body: bytes | None = None) -> bytes:
+        headers = {"content-type": JSON_MEDIA_TYPE} if body is not None else None
+        async with self._request(method, holder, path, body=body, headers=headers) as r:
+            return await r.read()
 
     async def lease(self, holder: str, request: LeaseRequest) -> LeaseGrant:
         body = request.model_dump_json().encode()
-        response = await self._json("POST", self._url(holder, "leases"), body)
-        return LeaseGrant.parse(response.content)
+        return LeaseGrant.parse(await self._json("POST", holder, "leases", body))
 
     async def renew(self, holder: str, lease: str, ttl_ms: int) -> LeaseGrant:
         body = LeaseRenewal(ttl_ms=ttl_ms).model_dump_json().encode()
-        response = await self._json("PUT", self._url(holder, f"leases/{lease}"), body)
-        return LeaseGrant.parse(response.content)
+        return LeaseGrant.parse(await self._json("PUT", holder, f"leases/{lease}", body))
 
     async def release(self, holder: str, lease: str) -> None:
-        await self._json("DELETE", self._url(holder, f"leases/{lease}"))
+        await self._json("DELETE", holder, f"leases/{lease}")

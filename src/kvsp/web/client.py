@@ -7,11 +7,13 @@ in process and across the network. A peer that cannot be reached is ``ServiceUna
 
 from __future__ import annotations
 
+import json
+
 import httpx
 
 from kvsp.core.problems import PROBLEM_TYPE_BASE, KvspError, ServiceUnavailable, problem_types
 
-__all__ = ["auth_headers", "raise_for_problem", "transport_errors"]
+__all__ = ["auth_headers", "problem_for", "raise_for_problem", "transport_errors"]
 
 _BY_SLUG = problem_types()
 
@@ -23,15 +25,13 @@ def auth_headers(token: str | None) -> dict[str, str]:
     return {} if token is None else {"authorization": f"Bearer {token}"}
 
 
-def raise_for_problem(response: httpx.Response) -> None:
-    """Raise the kvsp exception a non-2xx response stands for."""
-    if response.is_success:
-        return
-    detail = f"{response.request.method} {response.request.url} answered {response.status_code}"
+def problem_for(status: int, content: bytes, request: str) -> KvspError:
+    """The kvsp exception a non-2xx answer stands for; ``request`` names it ("GET url")."""
+    detail = f"{request} answered {status}"
     cls: type[KvspError] = KvspError
     extensions = {}
     try:
-        doc = response.json()
+        doc = json.loads(content)
     except ValueError:
         doc = None
     if isinstance(doc, dict):
@@ -40,6 +40,14 @@ def raise_for_problem(response: httpx.Response) -> None:
         detail = str(doc.get("detail", detail))
         known = {"type", "title", "status", "detail", "instance"}
         extensions = {k: v for k, v in doc.items() if k not in known}
-    elif response.status_code == 503:
+    elif status == 503:
         cls = ServiceUnavailable
-    raise cls(detail, **extensions)
+    return cls(detail, **extensions)
+
+
+def raise_for_problem(response: httpx.Response) -> None:
+    """Raise the kvsp exception a non-2xx response stands for."""
+    if response.is_success:
+        return
+    request = f"{response.request.method} {response.request.url}"
+    raise problem_for(response.status_code, response.content, request)

@@ -1,0 +1,246 @@
+"""Block GET throughput from a holder on loopback, client-side verification included. Prints one
+JSON line.
+
+For SmolLM2-sized blocks (30 layers x 3 KV heads x 64 x 16 tokens, fp32: 737,280 octets of
+data) and for 2 MiB blocks, with 1 and 8 concurrent clients:
+
+- ``holder``: ``HolderClient.get`` against a ``kvsp holder serve`` process: every octet checked
+  against ``Repr-Digest``, every layer against its layer digest, the block against the replica
+  digest;
+- ``raw``: the same octets sent by a bare socket server process and read with ``recv_into``
+  into a buffer allocated once (the limit, target ratio >= 0.4);
+- ``redis``: redis-py (hiredis) ``GET`` of the same blobs from a local ``redis-server``
+  (no verification; target ratio >= 1.0);
+- ``verify_only``: the digests a client must compute (SHA-256 of the whole container for
+  ``Repr-Digest``, and every layer digest), with nothing received, on two threads (both cores):
+  the most any verifying client can reach on this machine.
+
+Needs ``redis-server`` (``make bench`` installs it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import redis.asyncio as aioredis
+from tests.servers import RedisServer, Service, free_port
+
+from kvsp.core.container import Container
+from kvsp.core.records import ReplicaRecord
+from kvsp.holder.client import HolderClient
+
+COMPAT = "c0" * 32
+SCOPE = "a1" * 16
+SECONDS = 3.0
+BLOCKS = 24
+#: (name, layers, octets per K or V section)
+SHAPES = (("smollm2_block", 30, 16 * 3 * 64 * 4), ("block_2mib", 32, 32 * 1024))
+
+
+def make_container(n: int, layers: int, section: int) -> Container:
+    rng = np.random.default_rng(n)
+    sections = [(rng.bytes(section), rng.bytes(section)) for _ in range(layers)]
+    return Container.parse(Container.build(0, 16, sections).tobytes())
+
+
+# -- raw sockets -------------------------------------------------------------------------------
+
+
+def raw_server(port: int, payloads: list[bytes], ready: multiprocessing.synchronize.Event) -> None:
+    """Answer each 4-octet request (a payload index) with that payload, on every connection."""
+    listener = socket.create_server(("127.0.0.1", port))
+    ready.set()
+
+    def serve(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            while True:
+                request = conn.recv(4, socket.MSG_WAITALL)
+                if len(request) < 4:
+                    return
+                conn.sendall(payloads[struct.unpack(">I", request)[0]])
+
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+def raw_rate(port: int, sizes: list[int], clients: int) -> float:
+    """Octets/s read by ``clients`` threads, each on its own connection."""
+    done = [0] * clients
+    stop = time.perf_counter() + SECONDS
+
+    def client(i: int) -> None:
+        conn = socket.create_connection(("127.0.0.1", port))
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buffer = bytearray(max(sizes))
+        view = memoryview(buffer)
+        n = i
+        with conn:
+            while time.perf_counter() < stop:
+                index = n % len(sizes)
+                conn.sendall(struct.pack(">I", index))
+                got = 0
+                while got < sizes[index]:
+                    got += conn.recv_into(view[got : sizes[index]])
+                done[i] += got
+                n += 1
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(done) / (time.perf_counter() - start)
+
+
+def verify_only_rate(containers: list[Container], threads: int = 2) -> float:
+    """Octets/s of the mandatory client digests alone, spread over ``threads`` threads."""
+    done = [0] * threads
+    stop = time.perf_counter() + SECONDS
+
+    def verify(i: int) -> None:
+        n = i
+        while time.perf_counter() < stop:
+            c = containers[n % len(containers)]
+            c.sha256()
+            c.verify([layer.digest() for layer in c.layers])
+            done[i] += c.size
+            n += threads
+
+    start = time.perf_counter()
+    workers = [threading.Thread(target=verify, args=(i,)) for i in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    return sum(done) / (time.perf_counter() - start)
+
+
+# -- asyncio clients ---------------------------------------------------------------------------
+
+
+async def async_rate(call: Callable[[int], Awaitable[int]], clients: int, count: int) -> float:
+    """Octets/s of ``clients`` tasks each calling ``call(n)`` (which returns octets) in turn."""
+    stop = time.perf_counter() + SECONDS
+    done = [0] * clients
+
+    async def client(i: int) -> None:
+        n = i
+        while time.perf_counter() < stop:
+            done[i] += await call(n % count)
+            n += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    return sum(done) / (time.perf_counter() - start)
+
+
+async def holder_and_redis(
+    holder_url: str, redis_url: str, containers: list[Container]
+) -> dict[int, tuple[float, float]]:
+    """{clients: (holder octets/s, redis octets/s)}."""
+    out = {}
+    async with HolderClient() as client:
+        records: list[ReplicaRecord] = []
+        for c in containers:
+            key = c.sha256().hex()  # distinct blocks, distinct keys
+            records.append(await client.put(holder_url, (COMPAT, SCOPE, key), c))
+        store = aioredis.Redis.from_url(redis_url, max_connections=16)
+        blobs = [c.tobytes() for c in containers]
+        for n, blob in enumerate(blobs):
+            await store.set(f"blob:{n}", blob)
+
+        async def holder_get(n: int) -> int:
+            return (await client.get(records[n])).size
+
+        async def redis_get(n: int) -> int:
+            value = await store.get(f"blob:{n}")
+            assert value is not None
+            return len(value)
+
+        for clients in (1, 8):
+            best_holder = best_redis = 0.0
+            for _ in range(2):
+                best_holder = max(best_holder, await async_rate(holder_get, clients, len(records)))
+                best_redis = max(best_redis, await async_rate(redis_get, clients, len(records)))
+            out[clients] = (best_holder, best_redis)
+        await store.aclose()
+    return out
+
+
+def main() -> None:
+    results: dict[str, object] = {}
+    meets = True
+    redis_server = RedisServer().start()
+    port = free_port()
+    holder = Service(
+        "holder", "serve", "--url", f"http://127.0.0.1:{port}/kvsp/", "--host-bytes", "2G",
+        "--log-level", "warning", port=port,
+    ).start()  # fmt: skip
+    try:
+        for s, (name, layers, section) in enumerate(SHAPES):
+            containers = [make_container(1000 * s + n, layers, section) for n in range(BLOCKS)]
+            raw_port = free_port()
+            ready = multiprocessing.Event()
+            payloads = [c.tobytes() for c in containers]
+            server = multiprocessing.Process(
+                target=raw_server, args=(raw_port, payloads, ready), daemon=True
+            )
+            server.start()
+            ready.wait(10)
+            try:
+                sizes = [len(p) for p in payloads]
+                raw = {clients: max(raw_rate(raw_port, sizes, clients) for _ in range(2))
+                       for clients in (1, 8)}  # fmt: skip
+            finally:
+                server.kill()
+            ours = asyncio.run(holder_and_redis(holder.base_url, redis_server.url, containers))
+            ceiling = max(verify_only_rate(containers) for _ in range(2))
+            for clients in (1, 8):
+                holder_rate, redis_rate = ours[clients]
+                raw_ratio = holder_rate / raw[clients]
+                redis_ratio = holder_rate / redis_rate
+                meets = meets and raw_ratio >= 0.4 and redis_ratio >= 1.0
+                results[f"{name}_{clients}_clients"] = {
+                    "block_octets": containers[0].size,
+                    "holder_mb_per_s": round(holder_rate / 1e6, 1),
+                    "raw_socket_mb_per_s": round(raw[clients] / 1e6, 1),
+                    "redis_mb_per_s": round(redis_rate / 1e6, 1),
+                    "verify_only_mb_per_s": round(ceiling / 1e6, 1),
+                    "ratio_to_raw": round(raw_ratio, 3),
+                    "ratio_to_redis": round(redis_ratio, 3),
+                }
+    finally:
+        holder.stop()
+        redis_server.stop()
+    print(
+        json.dumps(
+            {
+                "benchmark": "holder_transfer",
+                "limits": {
+                    "raw": "bare loopback socket, same octets, same concurrency (>= 0.4)",
+                    "redis": "redis-py GET of the same blobs from redis-server (>= 1.0)",
+                },
+                "meets_target": meets,
+                "results": results,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
