@@ -127,7 +127,12 @@ class HolderService:
 
         def call() -> tuple[T, list[Effect]]:
             result = fn()
-            return result, self.store.take_effects()
+            effects = self.store.take_effects()
+            for effect in effects:
+                if isinstance(effect, Withdraw):
+                    ref = effect.ref
+                    self._repr.pop((ref.compat_id, ref.scope_id, ref.block_key), None)
+            return result, effects
 
         result, effects = await asyncio.get_running_loop().run_in_executor(self._worker, call)
         self._queue(effects)
@@ -137,7 +142,7 @@ class HolderService:
         """Take back what the disk tier kept over a restart, then start publishing."""
         if isinstance(self._disk, DiskTier):
             restored, failed = await self._run(self._restore)
-            log.info("disk tier: %d blocks restored, %d failed verification", restored, len(failed))
+            log.info("disk tier: %d blocks restored, %d removed", restored, len(failed))
             self._queue([Withdraw(self._ref(block)) for block in failed])
         self._tasks = [
             asyncio.create_task(self._publisher(), name="kvsp-holder-publisher"),
@@ -145,7 +150,8 @@ class HolderService:
         ]
 
     def _restore(self) -> tuple[int, list[BlockId]]:
-        """(blocks restored, blocks whose files failed verification and were removed)."""
+        """(blocks restored, blocks removed: files that failed verification, or that the disk
+        tier no longer has room for); the removed ones are withdrawn."""
         assert isinstance(self._disk, DiskTier)
         restored = 0
         failed = []
@@ -157,6 +163,8 @@ class HolderService:
                     failed.append(found.block)
             elif self.store.restore(found.block, found.meta, "disk", found.span):
                 restored += 1
+            else:
+                failed.append(found.block)
         return restored, failed
 
     def _ref(self, block: BlockId) -> ReplicaRef:
@@ -189,7 +197,6 @@ class HolderService:
             else:
                 ref = effect.ref
                 block = (ref.compat_id, ref.scope_id, ref.block_key)
-                self._repr.pop(block, None)
             self._pending.pop(block, None)
             self._pending[block] = effect
         if effects:
