@@ -1,0 +1,183 @@
+"""Instances as the Placement Controller sees them (KVSP 6.3), pure and Clock-injected.
+
+The PC keeps the latest Instance Status Record of each instance and its lifecycle state. The
+state changes only through ``TRANSITIONS`` (one table; any other move is ``IllegalTransition``):
+
+- active -> draining when the PC accepts a sleep request (policy: at least ``min_active``
+  instances stay active) or an operator drains the instance;
+- draining -> sleeping when the instance reports ``sleeping`` with nothing running;
+- sleeping -> active, and draining -> active, only by the PC (``set_state``: a wake);
+- any state -> failed when the latest record expires (its ``ttl_ms`` after it arrived);
+- failed -> active or sleeping when the instance comes back with a higher epoch (a restart).
+
+A record with an epoch below the highest seen is ``StaleEpoch`` and changes nothing; a record
+whose reported state the PC did not grant (an instance that wakes itself, or drains itself
+without asking) is ``IllegalTransition`` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvsp.core.clock import Clock
+from kvsp.core.problems import ConfigurationError, IllegalTransition, NotFound, StaleEpoch
+from kvsp.core.records import InstanceState, InstanceStatusRecord
+from kvsp.core.urls import canonical_url
+
+__all__ = ["TRANSITIONS", "InstancePolicy", "InstanceTable", "TrackedInstance"]
+
+A, D, S, F = (
+    InstanceState.ACTIVE,
+    InstanceState.DRAINING,
+    InstanceState.SLEEPING,
+    InstanceState.FAILED,
+)
+
+#: (from, to) -> why the move is allowed. Nothing else is.
+TRANSITIONS: dict[tuple[InstanceState, InstanceState], str] = {
+    (A, D): "sleep request accepted, or drained by an operator",
+    (D, S): "draining instance reports it has no sessions left",
+    (D, A): "woken by the PC before it slept",
+    (S, A): "woken by the PC",
+    (A, F): "status expired",
+    (D, F): "status expired",
+    (S, F): "status expired",
+    (F, A): "restarted with a higher epoch",
+    (F, S): "restarted with a higher epoch, asleep",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class InstancePolicy:
+    #: active instances that must remain when granting a sleep request
+    min_active: int = 1
+
+    def __post_init__(self) -> None:
+        if self.min_active < 0:
+            raise ConfigurationError("min_active must be >= 0")
+
+
+@dataclass(slots=True)
+class TrackedInstance:
+    url: str
+    status: InstanceStatusRecord
+    state: InstanceState
+    epoch: int
+    expires_at: int
+
+
+class InstanceTable:
+    def __init__(self, clock: Clock, policy: InstancePolicy | None = None) -> None:
+        self.clock = clock
+        self.policy = policy or InstancePolicy()
+        self._instances: dict[str, TrackedInstance] = {}
+        self._deadlines: list[tuple[int, str]] = []
+
+    def __iter__(self) -> Iterator[TrackedInstance]:
+        return iter(list(self._instances.values()))
+
+    def get(self, url: str) -> TrackedInstance:
+        found = self._instances.get(canonical_url(url))
+        if found is None:
+            raise NotFound(f"no instance {url} has reported")
+        return found
+
+    def active(self) -> list[TrackedInstance]:
+        """Instances that may receive requests and prefetch directives (KVSP 6.3)."""
+        self.expire()
+        return [i for i in self._instances.values() if i.state is A]
+
+    def sleeping(self) -> list[TrackedInstance]:
+        self.expire()
+        return [i for i in self._instances.values() if i.state is S]
+
+    @staticmethod
+    def _move(instance: TrackedInstance, to: InstanceState) -> None:
+        if instance.state is to:
+            return
+        if (instance.state, to) not in TRANSITIONS:
+            raise IllegalTransition(f"{instance.url}: {instance.state} -> {to} is not allowed")
+        instance.state = to
+
+    def put_status(self, status: InstanceStatusRecord) -> InstanceState:
+        """Take a status; returns the state the PC answers with (``{"state": ...}``)."""
+        self.expire()
+        now = self.clock.now_ms()
+        url = canonical_url(status.instance)
+        known = self._instances.get(url)
+        if known is not None and status.epoch < known.epoch:
+            raise StaleEpoch(f"epoch {status.epoch} of {url} is below {known.epoch}, already seen")
+        reported = status.state
+        if known is None or status.epoch > known.epoch:
+            # a (re)started instance: it begins active or asleep, never mid-drain or failed
+            if reported not in (A, S):
+                raise IllegalTransition(f"{url}: a new epoch must start active or sleeping")
+            if known is not None and known.state is not F:
+                known.state = F  # the old epoch is gone
+            start = reported
+            if known is not None:
+                self._move(known, start)
+            state = start
+        else:
+            state = self._next_state(known, status)
+        entry = TrackedInstance(url, status, state, status.epoch, now + status.ttl_ms)
+        if known is not None:
+            known.status, known.epoch, known.expires_at = status, status.epoch, entry.expires_at
+            known.state = state
+        else:
+            self._instances[url] = entry
+        heapq.heappush(self._deadlines, (entry.expires_at, url))
+        return state
+
+    def _next_state(self, known: TrackedInstance, status: InstanceStatusRecord) -> InstanceState:
+        """The PC's state after a status of the same epoch (checked before anything changes)."""
+        current, reported = known.state, status.state
+        if current is F:
+            raise IllegalTransition(f"{known.url}: failed; only a higher epoch comes back")
+        if current is A:
+            if reported is not A:
+                raise IllegalTransition(f"{known.url}: reports {reported} without the PC's consent")
+            if status.requested_state is S and self._may_sleep(known):
+                return D
+            return A
+        if current is D:
+            if reported is S and status.running == 0:
+                return S
+            if reported in (A, D):  # still finishing its sessions
+                return D
+            raise IllegalTransition(f"{known.url}: cannot sleep with {status.running} running")
+        # sleeping: only the PC wakes it
+        if reported is not S:
+            raise IllegalTransition(f"{known.url}: a sleeping instance is woken only by the PC")
+        return S
+
+    def _may_sleep(self, candidate: TrackedInstance) -> bool:
+        others = sum(1 for i in self._instances.values() if i.state is A and i is not candidate)
+        return others >= self.policy.min_active
+
+    def set_state(self, url: str, to: InstanceState) -> TrackedInstance:
+        """A change the PC makes (wake, or drain); the adapter tells the instance."""
+        self.expire()
+        instance = self.get(url)
+        if to not in (A, D):
+            raise IllegalTransition("the PC can only wake (active) or drain an instance")
+        self._move(instance, to)
+        return instance
+
+    def expire(self) -> list[TrackedInstance]:
+        """Instances whose latest status has expired become failed; returns them."""
+        now = self.clock.now_ms()
+        failed = []
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            at, url = heapq.heappop(deadlines)
+            instance = self._instances.get(url)
+            if instance is not None and instance.expires_at == at and instance.state is not F:
+                self._move(instance, F)
+                failed.append(instance)
+        if len(deadlines) > 64 + 4 * len(self._instances):
+            self._deadlines = [(i.expires_at, u) for u, i in self._instances.items()]
+            heapq.heapify(self._deadlines)
+        return failed

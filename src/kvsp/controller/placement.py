@@ -1,0 +1,238 @@
+"""Where a request runs (KVSP 6.4), pure: score every active instance, choose, and explain.
+
+For each candidate i, ``cost(i) = wait_us(i) + min(fetch_us(i) + recompute_us_of_unmatched(i),
+recompute_us_of_all(i))``. ``fetch_us`` comes from the Index Service's estimate for i when the
+lookup carried i as a target and the IS answered one; otherwise the PC computes it from the
+matched replicas with ``core/cost.py`` (the same formulas). The lowest cost among active
+instances with capacity wins. When none is acceptable (its cost above ``max_cost_us``, or no
+capacity: KV utilization or queue at their limits) the decision says to wake the cheapest
+sleeping instance (or, with none asleep, to launch one) and to send it a prefetch directive at
+once, so loading overlaps the start. Every decision keeps every candidate's terms, so logs and
+metrics can say why.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from kvsp.core.cost import CostBreakdown, ReplicaSummary, estimate_cost, placement_cost
+from kvsp.core.cost import recompute_us as recompute_time
+from kvsp.core.cost import wait_us as wait_time
+from kvsp.core.problems import ConfigurationError
+from kvsp.core.records import (
+    InstanceStatusRecord,
+    LookupResponse,
+    PrefetchBlock,
+    PrefetchDirective,
+)
+from kvsp.core.urls import canonical_url
+
+__all__ = [
+    "Decision",
+    "Outcome",
+    "PlacementPolicy",
+    "PlacementRequest",
+    "build_directive",
+    "place",
+]
+
+
+class Outcome(StrEnum):
+    PLACED = "placed"
+    WAKE = "wake"
+    LAUNCH = "launch"
+    #: nothing acceptable, nothing to wake or launch: the cheapest active instance anyway
+    OVERLOADED = "overloaded"
+    #: no instance at all
+    NONE = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementPolicy:
+    #: a candidate costing more than this (e.g. a TTFT objective) is not acceptable
+    max_cost_us: float = float("inf")
+    max_kv_utilization: float = 0.95
+    max_queued: int = 64
+    #: mean service time per queued request, for ``wait_us``
+    mean_service_us: float = 500_000.0
+    #: may the PC start instances through a launcher when none is acceptable
+    can_launch: bool = False
+    prefetch_deadline_ms: int = 2_000
+    prefetch_lease_ms: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.max_kv_utilization <= 0 or self.max_queued < 0 or self.mean_service_us < 0:
+            raise ConfigurationError("placement limits must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRequest:
+    scope_id: str
+    compat_id: str
+    block_keys: tuple[str, ...]
+    prompt_tokens: int
+    block_tokens: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    outcome: Outcome
+    instance: str | None
+    candidates: tuple[CostBreakdown, ...]
+    matched_blocks: int
+    #: blocks the chosen instance can reuse (resident there or loadable)
+    reused_blocks: int
+    #: why no active instance was acceptable, when the outcome says so
+    reason: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def chosen(self) -> CostBreakdown | None:
+        return next((c for c in self.candidates if c.instance == self.instance), None)
+
+    def to_json(self) -> dict[str, Any]:
+        """The structured record logs and metrics use."""
+        return {
+            "outcome": self.outcome.value,
+            "instance": self.instance,
+            "matched_blocks": self.matched_blocks,
+            "reused_blocks": self.reused_blocks,
+            "reason": self.reason,
+            "candidates": [
+                {
+                    "instance": c.instance,
+                    "cost_us": round(c.cost_us, 1),
+                    "wait_us": round(c.wait_us, 1),
+                    "fetch_us": round(c.fetch_us, 1),
+                    "reused_tokens": c.reused_tokens,
+                    "recompute_unmatched_us": round(c.recompute_unmatched_us, 1),
+                    "recompute_all_us": round(c.recompute_all_us, 1),
+                    "uses_cache": c.uses_cache,
+                }
+                for c in self.candidates
+            ],
+        }
+
+
+def _summaries(lookup: LookupResponse) -> list[list[ReplicaSummary]]:
+    return [[ReplicaSummary.of(r) for r in block] for block in lookup.replicas]
+
+
+def _score(
+    status: InstanceStatusRecord,
+    request: PlacementRequest,
+    lookup: LookupResponse,
+    summaries: list[list[ReplicaSummary]],
+    policy: PlacementPolicy,
+) -> CostBreakdown:
+    """One candidate's terms: the IS's estimate for it when there is one, else our own."""
+    url = canonical_url(status.instance)
+    estimate = next((e for e in lookup.estimates if canonical_url(e.target) == url), None)
+    if estimate is None or estimate.fetch_blocks is None:
+        return estimate_cost(
+            status, summaries, request.block_tokens, request.prompt_tokens, policy.mean_service_us
+        )
+    rate = status.prefill_tokens_per_s
+    reused = min(estimate.fetch_blocks * request.block_tokens, request.prompt_tokens)
+    unmatched = recompute_time(request.prompt_tokens - reused, rate)
+    everything = recompute_time(request.prompt_tokens, rate)
+    wait = wait_time(status.queued, policy.mean_service_us)
+    return CostBreakdown(
+        instance=status.instance,
+        wait_us=wait,
+        fetch_us=estimate.fetch_us,
+        reused_tokens=reused,
+        recompute_unmatched_us=unmatched,
+        recompute_all_us=everything,
+        cost_us=placement_cost(wait, estimate.fetch_us, unmatched, everything),
+    )
+
+
+def _has_capacity(status: InstanceStatusRecord, policy: PlacementPolicy) -> bool:
+    return status.kv_utilization < policy.max_kv_utilization and status.queued < policy.max_queued
+
+
+def place(
+    request: PlacementRequest,
+    lookup: LookupResponse,
+    active: Sequence[InstanceStatusRecord],
+    sleeping: Sequence[InstanceStatusRecord],
+    policy: PlacementPolicy,
+) -> Decision:
+    """The decision for one request (ties go to the instance URL that sorts first)."""
+    summaries = _summaries(lookup)
+    scored = sorted(
+        ((_score(s, request, lookup, summaries, policy), s) for s in active),
+        key=lambda pair: (pair[0].cost_us, canonical_url(pair[1].instance)),
+    )
+    candidates = tuple(c for c, _ in scored)
+
+    def reused(c: CostBreakdown) -> int:
+        return c.reused_tokens // request.block_tokens
+
+    acceptable = [
+        (c, s) for c, s in scored if c.cost_us <= policy.max_cost_us and _has_capacity(s, policy)
+    ]
+    if acceptable:
+        best = acceptable[0][0]
+        return Decision(Outcome.PLACED, best.instance, candidates, lookup.matched, reused(best))
+    reason = "no active instance" if not scored else "every active instance is over its limits"
+    asleep = sorted(
+        ((_score(s, request, lookup, summaries, policy), s) for s in sleeping),
+        key=lambda pair: (pair[0].cost_us, canonical_url(pair[1].instance)),
+    )
+    if asleep:
+        best = asleep[0][0]
+        return Decision(
+            Outcome.WAKE,
+            best.instance,
+            candidates + tuple(c for c, _ in asleep),
+            lookup.matched,
+            reused(best),
+            reason,
+        )
+    if policy.can_launch:
+        return Decision(Outcome.LAUNCH, None, candidates, lookup.matched, 0, reason)
+    if scored:
+        best = candidates[0]
+        return Decision(
+            Outcome.OVERLOADED, best.instance, candidates, lookup.matched, reused(best), reason
+        )
+    return Decision(Outcome.NONE, None, candidates, lookup.matched, 0, reason)
+
+
+def build_directive(
+    request: PlacementRequest,
+    lookup: LookupResponse,
+    instance: str,
+    policy: PlacementPolicy,
+    request_ref: str | None = None,
+) -> PrefetchDirective | None:
+    """A prefetch directive (KVSP 6.5) loading the matched prefix into ``instance`` from the
+    holders the lookup named, leaving out blocks already resident there; None when there is
+    nothing to load."""
+    here = canonical_url(instance)
+    blocks = []
+    for key, records in zip(request.block_keys, lookup.replicas, strict=False):
+        holders = [canonical_url(r.holder) for r in records]
+        if here in holders:
+            continue
+        sources = tuple(dict.fromkeys(h for h in holders if h.startswith(("http://", "https://"))))
+        if not sources:
+            break  # chained keys: nothing after an unloadable block is usable
+        blocks.append(PrefetchBlock(block_key=key, sources=sources))
+    if not blocks:
+        return None
+    return PrefetchDirective(
+        directive=str(uuid.uuid4()),
+        request_ref=request_ref,
+        scope_id=request.scope_id,
+        compat_id=request.compat_id,
+        blocks=tuple(blocks),
+        deadline_ms=policy.prefetch_deadline_ms,
+        lease_ms=policy.prefetch_lease_ms,
+    )

@@ -1,0 +1,141 @@
+"""Sessions, checkpoints and failover (KVSP 6.8), pure.
+
+A session is opened when its request is placed (with a first checkpoint: its prompt and sampler,
+nothing generated yet) and belongs to one instance at one epoch. The serving instance publishes
+checkpoints; the PC keeps the one with the highest ``output_offset`` for the current epoch and
+acknowledges it (an instance with a non-deterministic sampler releases tokens only up to the
+acknowledged offset). A checkpoint with a lower epoch is ``StaleEpoch`` (a message from a failed
+instance); one with a higher epoch than the PC issued is refused too. When the instance fails the
+PC moves the session: a new instance, the epoch incremented, and the latest checkpoint (carrying
+the new epoch) for ``POST sessions/{session}/resume``.
+
+At most ``max_sessions`` sessions are kept; beyond that the least recently used one is forgotten,
+so session ids cannot pin memory.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvsp.core.problems import (
+    ConfigurationError,
+    Forbidden,
+    InvalidInput,
+    NotFound,
+    RecordError,
+    StaleEpoch,
+)
+from kvsp.core.records import SessionCheckpoint
+from kvsp.core.urls import canonical_url
+
+__all__ = ["CheckpointAnswer", "Session", "SessionTable"]
+
+
+@dataclass(slots=True)
+class Session:
+    session: str
+    scope_id: str
+    compat_id: str
+    instance: str
+    epoch: int
+    checkpoint: SessionCheckpoint
+    acknowledged: int = 0
+    failovers: int = 0
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "session": self.session,
+            "instance": self.instance,
+            "epoch": self.epoch,
+            "output_offset": self.checkpoint.output_offset,
+            "acknowledged": self.acknowledged,
+            "failovers": self.failovers,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointAnswer:
+    recorded: bool
+    acknowledged: int
+    epoch: int
+
+
+class SessionTable:
+    def __init__(self, max_sessions: int = 1_000_000) -> None:
+        if max_sessions < 1:
+            raise ConfigurationError("max_sessions must be >= 1")
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, session: str) -> Session:
+        found = self._sessions.get(session)
+        if found is None:
+            raise NotFound(f"no session {session}")
+        self._sessions.move_to_end(session)
+        return found
+
+    def open(self, first: SessionCheckpoint, instance: str) -> Session:
+        """Place a session (or its next turn) at ``instance``; the epoch stays."""
+        known = self._sessions.get(first.session)
+        if known is not None:
+            if (known.scope_id, known.compat_id) != (first.scope_id, first.compat_id):
+                raise Forbidden("a session keeps its scope and compatibility")
+            known.instance = canonical_url(instance)
+            if first.output_offset >= known.checkpoint.output_offset:
+                known.checkpoint = first.model_copy(update={"epoch": known.epoch})
+            self._sessions.move_to_end(first.session)
+            return known
+        entry = Session(
+            first.session,
+            first.scope_id,
+            first.compat_id,
+            canonical_url(instance),
+            first.epoch,
+            first,
+            first.output_offset,
+        )
+        self._sessions[first.session] = entry
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+        return entry
+
+    def put_checkpoint(self, checkpoint: SessionCheckpoint, instance: str) -> CheckpointAnswer:
+        """Record a checkpoint from ``instance`` (see module doc); refusals change nothing."""
+        session = self.get(checkpoint.session)
+        if (checkpoint.scope_id, checkpoint.compat_id) != (session.scope_id, session.compat_id):
+            raise RecordError("the checkpoint's scope or compatibility is not the session's")
+        if checkpoint.epoch < session.epoch:
+            raise StaleEpoch(
+                f"session {session.session} is at epoch {session.epoch}; "
+                f"epoch {checkpoint.epoch} is over"
+            )
+        if checkpoint.epoch > session.epoch:
+            raise InvalidInput(
+                f"session {session.session} is at epoch {session.epoch}; the PC never issued "
+                f"epoch {checkpoint.epoch}"
+            )
+        if canonical_url(instance) != session.instance:
+            raise Forbidden(f"{instance} does not serve session {session.session}")
+        recorded = checkpoint.output_offset > session.checkpoint.output_offset
+        if recorded:
+            session.checkpoint = checkpoint
+            session.acknowledged = checkpoint.output_offset
+        return CheckpointAnswer(recorded, session.acknowledged, session.epoch)
+
+    def served_by(self, instance: str) -> list[Session]:
+        url = canonical_url(instance)
+        return [s for s in self._sessions.values() if s.instance == url]
+
+    def move(self, session: str, instance: str) -> SessionCheckpoint:
+        """Fail a session over to ``instance``: the epoch goes up by one, and every later
+        message with the old epoch is refused. Returns the checkpoint to resume from."""
+        entry = self.get(session)
+        entry.epoch += 1
+        entry.instance = canonical_url(instance)
+        entry.failovers += 1
+        entry.checkpoint = entry.checkpoint.model_copy(update={"epoch": entry.epoch})
+        return entry.checkpoint
