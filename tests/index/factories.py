@@ -52,6 +52,7 @@ def status(
     links: list[dict[str, Any]] | None = None,
     ttl_ms: int = 60_000,
     prefill: float = 400,
+    **changes: Any,
 ) -> InstanceStatusRecord:
     return InstanceStatusRecord.parse(
         {
@@ -66,6 +67,7 @@ def status(
             "decode_tokens_per_s": 15,
             "links": links if links is not None else [],
             "ttl_ms": ttl_ms,
+            **changes,
         }
     )
 
