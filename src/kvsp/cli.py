@@ -50,6 +50,11 @@ holder_app = typer.Typer(
     help="A holder: tiered KV block storage with leases.", no_args_is_help=True
 )
 app.add_typer(holder_app, name="holder")
+controller_app = typer.Typer(
+    help="The Placement Controller (instances, placement, sessions, resharding).",
+    no_args_is_help=True,
+)
+app.add_typer(controller_app, name="controller")
 
 
 def _read_bytes(path: Path, what: str) -> bytes:
@@ -324,6 +329,51 @@ def holder_serve_command(
     principals = _principals(auth, host)
     uvicorn.run(
         create_app(HolderService(config), principals),
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+    )
+
+
+@controller_app.command("serve")
+def controller_serve_command(
+    tenants: Annotated[Path, typer.Option("--tenants", help="tenants file (TOML, secret)")],
+    index: Annotated[str | None, typer.Option("--index", help="Index Service base URL")] = None,
+    index_token_file: Annotated[Path | None, typer.Option("--index-token-file")] = None,
+    instance_token_file: Annotated[
+        Path | None, typer.Option("--instance-token-file", help="token presented to instances")
+    ] = None,
+    auth: Annotated[Path | None, typer.Option("--auth", help="principals file (TOML)")] = None,
+    host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 9000,
+    block_tokens: Annotated[int, typer.Option("--block-tokens", min=1)] = 16,
+    min_active: Annotated[int, typer.Option("--min-active", min=0)] = 1,
+    max_cost_us: Annotated[float, typer.Option("--max-cost-us", min=0)] = float("inf"),
+    mean_service_us: Annotated[float, typer.Option("--mean-service-us", min=0)] = 500_000.0,
+    log_level: Annotated[str, typer.Option("--log-level")] = "info",
+) -> None:
+    """Run the Placement Controller on HOST:PORT under /kvsp/."""
+    import uvicorn
+
+    from kvsp.controller.app import create_app
+    from kvsp.controller.instances import InstancePolicy
+    from kvsp.controller.placement import PlacementPolicy
+    from kvsp.controller.service import ControllerConfig, ControllerService
+    from kvsp.controller.tenants import Tenants
+
+    config = ControllerConfig(
+        tenants=Tenants.load(tenants),
+        index_url=index,
+        index_token=_read_token(index_token_file),
+        instance_token=_read_token(instance_token_file),
+        block_tokens=block_tokens,
+        placement=PlacementPolicy(max_cost_us=max_cost_us, mean_service_us=mean_service_us),
+        instances=InstancePolicy(min_active=min_active),
+    )
+    principals = _principals(auth, host)
+    uvicorn.run(
+        create_app(ControllerService(config), principals),
         host=host,
         port=port,
         log_level=log_level,

@@ -48,6 +48,7 @@ __all__ = [
     "FetchRange",
     "Hex16",
     "Hex32",
+    "HttpUrl",
     "InstanceState",
     "InstanceStatusRecord",
     "LeaseGrant",
@@ -75,7 +76,9 @@ __all__ = [
     "StateAnswer",
     "StateChange",
     "TargetEstimate",
+    "TokenId",
     "TokenRange",
+    "Uuid",
     "decode_moqt_namespace",
 ]
 

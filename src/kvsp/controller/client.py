@@ -1,0 +1,95 @@
+"""What the Placement Controller sends to inference instances (KVSP 6.3, 6.5, 6.8, 6.9)."""
+
+from __future__ import annotations
+
+from types import TracebackType
+from urllib.parse import urljoin
+
+import httpx
+
+from kvsp.core.problems import ServiceUnavailable
+from kvsp.core.records import (
+    InstanceState,
+    PrefetchDirective,
+    PrefetchStatus,
+    ReshardAbort,
+    ReshardCommit,
+    ReshardPlan,
+    SessionCheckpoint,
+    StateChange,
+)
+from kvsp.core.urls import canonical_url
+from kvsp.web.client import auth_headers, raise_for_problem, transport_errors
+from kvsp.web.server import JSON_MEDIA_TYPE
+
+__all__ = ["InstanceClient"]
+
+
+class InstanceClient:
+    """Calls any instance (addressed by its base URL) with the controller's bearer token."""
+
+    def __init__(
+        self,
+        token: str | None = None,
+        timeout_s: float = 10.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._http = httpx.AsyncClient(
+            headers={**auth_headers(token), "content-type": JSON_MEDIA_TYPE},
+            timeout=timeout_s,
+            transport=transport,
+        )
+
+    async def __aenter__(self) -> InstanceClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _send(
+        self, method: str, url: str, body: bytes | None = None, timeout_s: float | None = None
+    ) -> httpx.Response:
+        extra = {} if timeout_s is None else {"timeout": timeout_s}
+        try:
+            response = await self._http.request(method, url, content=body, **extra)  # type: ignore[arg-type]
+        except transport_errors as exc:
+            raise ServiceUnavailable(f"instance unreachable: {exc!r}") from None
+        raise_for_problem(response)
+        return response
+
+    async def set_state(self, instance: str, state: InstanceState) -> None:
+        body = StateChange(state=state).model_dump_json().encode()
+        await self._send("PUT", canonical_url(instance) + "state", body)
+
+    async def prefetch(self, instance: str, directive: PrefetchDirective) -> str:
+        """Send a directive; returns the URL of its status resource (the Location field)."""
+        body = directive.model_dump_json(exclude_none=True).encode()
+        response = await self._send("POST", canonical_url(instance) + "prefetch", body)
+        location = str(response.headers.get("location") or f"prefetch/{directive.directive}")
+        return urljoin(canonical_url(instance), location)
+
+    async def prefetch_status(self, location: str) -> PrefetchStatus:
+        return PrefetchStatus.parse((await self._send("GET", location)).content)
+
+    async def resume(self, instance: str, checkpoint: SessionCheckpoint) -> None:
+        path = f"sessions/{checkpoint.session}/resume"
+        body = checkpoint.model_dump_json().encode()
+        await self._send("POST", canonical_url(instance) + path, body)
+
+    async def reshard(
+        self,
+        instance: str,
+        message: ReshardPlan | ReshardCommit | ReshardAbort,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Send a plan (answered 200 once its fetches are loaded), a commit or an abort."""
+        body = message.model_dump_json(by_alias=True).encode()
+        await self._send("POST", canonical_url(instance) + "reshard", body, timeout_s)

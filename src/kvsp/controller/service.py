@@ -1,0 +1,473 @@
+"""The Placement Controller's operations over its pure state: the Index Service is asked,
+instances are told, and a tick turns expired statuses into failovers and late reshards into
+aborts.
+
+State lives in ``InstanceTable``, ``SessionTable`` and ``ReshardCoordinator``; this module only
+sequences them with the network. Every refusal happens before state changes (the tables check
+first); a peer that cannot be reached is logged and counted, never left half-applied in the
+tables: a session moves to a new instance only once that instance has accepted the resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from kvsp.auth import Principal, Role, authorize
+from kvsp.controller.client import InstanceClient
+from kvsp.controller.instances import InstancePolicy, InstanceTable
+from kvsp.controller.placement import (
+    Decision,
+    Outcome,
+    PlacementPolicy,
+    PlacementRequest,
+    build_directive,
+    place,
+)
+from kvsp.controller.reshard import ReshardCoordinator, ReshardResult, propose
+from kvsp.controller.sessions import CheckpointAnswer, SessionTable
+from kvsp.controller.tenants import Tenants
+from kvsp.core.clock import Clock, SystemClock
+from kvsp.core.ids import parse_compat_id
+from kvsp.core.keys import BlockKeyChain
+from kvsp.core.problems import KvspError, RecordError
+from kvsp.core.records import (
+    InstanceState,
+    InstanceStatusRecord,
+    LookupRequest,
+    LookupResponse,
+    PrefetchState,
+    ReshardAbort,
+    ReshardCommit,
+    Sampler,
+    SessionCheckpoint,
+    ShardMap,
+)
+from kvsp.core.urls import canonical_url
+from kvsp.index.client import IndexClient
+
+__all__ = ["ControllerConfig", "ControllerService", "Launcher", "Placement"]
+
+log = logging.getLogger("kvsp.controller")
+
+#: Roles that may ask for placements and change lifecycle or shard maps.
+OPERATOR_ROLES = (Role.CONTROLLER, Role.CLIENT)
+
+
+class Launcher(Protocol):
+    async def launch(self) -> str | None:
+        """Start an instance; returns its base URL (it reports its status once up)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    tenants: Tenants
+    index_url: str | None = None
+    index_token: str | None = None
+    #: the token the controller presents to instances
+    instance_token: str | None = None
+    block_tokens: int = 16
+    placement: PlacementPolicy = field(default_factory=PlacementPolicy)
+    instances: InstancePolicy = field(default_factory=InstancePolicy)
+    max_sessions: int = 1_000_000
+    tick_s: float = 0.2
+
+
+@dataclass(frozen=True)
+class Placement:
+    decision: Decision
+    block_keys: tuple[str, ...]
+    #: the directive sent to the chosen instance, its state, and the keys it loaded
+    directive: str | None = None
+    prefetch_state: str | None = None
+    loaded: tuple[str, ...] = ()
+    session_epoch: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        doc = self.decision.to_json()
+        doc["block_keys"] = len(self.block_keys)
+        if self.directive is not None:
+            doc["prefetch"] = {
+                "directive": self.directive,
+                "state": self.prefetch_state,
+                "loaded": len(self.loaded),
+            }
+        if self.session_epoch is not None:
+            doc["session_epoch"] = self.session_epoch
+        return doc
+
+
+class ControllerService:
+    def __init__(
+        self,
+        config: ControllerConfig,
+        clock: Clock | None = None,
+        index: IndexClient | None = None,
+        instances: InstanceClient | None = None,
+        launcher: Launcher | None = None,
+    ) -> None:
+        """``index`` and ``instances`` replace the clients built from the config (tests)."""
+        self.config = config
+        self.clock = clock or SystemClock()
+        self.instances = InstanceTable(self.clock, config.instances)
+        self.sessions = SessionTable(config.max_sessions)
+        self.reshards = ReshardCoordinator(self.clock)
+        if index is None and config.index_url is not None:
+            index = IndexClient(config.index_url, config.index_token)
+        self.index = index
+        self.peers = instances or InstanceClient(config.instance_token)
+        self.launcher = launcher
+        #: the last placement costs per instance, for ``GET instances``
+        self.last_costs: dict[str, dict[str, Any]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.placements = Counter(
+            "kvsp_controller_placements", "Placement decisions, by outcome", ["outcome"], registry=r
+        )
+        self.predicted_ttft = Histogram(
+            "kvsp_controller_predicted_ttft_seconds",
+            "cost(i) of the chosen instance: predicted time to first token",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.failovers = Counter(
+            "kvsp_controller_failovers", "Sessions resumed elsewhere", ["result"], registry=r
+        )
+        self.reshard_results = Counter(
+            "kvsp_controller_reshards", "Reshards, by result", ["result"], registry=r
+        )
+        self.prefetches = Counter(
+            "kvsp_controller_prefetches", "Prefetch directives, by final state", ["state"],
+            registry=r,
+        )  # fmt: skip
+        self.rejected = Counter(
+            "kvsp_controller_rejected_requests",
+            "Requests answered with a problem",
+            ["type"],
+            registry=r,
+        )
+
+    # -- running -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._ticker(), name="kvsp-controller-tick")]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.peers.aclose()
+        if self.index is not None:
+            await self.index.aclose()
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.tick_s)
+            try:
+                await self.tick()
+            except Exception:  # a tick must never stop the controller
+                log.exception("controller tick failed")
+
+    async def tick(self) -> None:
+        """Fail over the sessions of instances whose status expired; abort late reshards."""
+        for result in self.reshards.expire():
+            await self._finish_reshard(result)
+        for instance in self.instances.expire():
+            log.warning("instance %s failed (status expired)", instance.url)
+            for result in self.reshards.member_failed(instance.url):
+                await self._finish_reshard(result)
+            for session in self.sessions.served_by(instance.url):
+                await self._fail_over(session.session)
+
+    # -- statuses and lifecycle ----------------------------------------------------------------
+
+    async def put_status(self, principal: Principal, status: InstanceStatusRecord) -> InstanceState:
+        authorize(principal, Role.INSTANCE, holder=status.instance)
+        state = self.instances.put_status(status)
+        if self.index is not None:
+            try:
+                await self.index.put_status(status)  # estimates at the IS use it too
+            except KvspError as exc:
+                log.warning("status of %s not forwarded to the index: %s", status.instance, exc)
+        return state
+
+    async def set_state(self, principal: Principal, url: str, state: InstanceState) -> None:
+        authorize(principal, (Role.CONTROLLER,))
+        before = self.instances.get(url).state
+        instance = self.instances.set_state(url, state)
+        try:
+            await self.peers.set_state(instance.url, state)
+        except KvspError:
+            instance.state = before  # the instance was not told: nothing changed
+            raise
+
+    def instance_view(self) -> list[dict[str, Any]]:
+        now = self.clock.now_ms()
+        out = []
+        for i in self.instances:
+            out.append(
+                {
+                    "instance": i.url,
+                    "state": i.state.value,
+                    "epoch": i.epoch,
+                    "running": i.status.running,
+                    "queued": i.status.queued,
+                    "kv_utilization": i.status.kv_utilization,
+                    "status_expires_in_ms": max(0, i.expires_at - now),
+                    "last_placement": self.last_costs.get(i.url),
+                }
+            )
+        return out
+
+    # -- placement -----------------------------------------------------------------------------
+
+    async def _lookup(self, request: PlacementRequest, targets: Sequence[str]) -> LookupResponse:
+        empty = LookupResponse(matched=0)
+        if self.index is None or not request.block_keys:
+            return empty
+        try:
+            return await self.index.lookup(
+                LookupRequest(
+                    scope_id=request.scope_id,
+                    compat_id=request.compat_id,
+                    block_keys=request.block_keys,
+                    targets=tuple(targets) or None,
+                    block_tokens=request.block_tokens,
+                )
+            )
+        except KvspError as exc:  # placement still works: everything is recomputed
+            log.warning("index lookup failed (%s); placing without cached blocks", exc.detail)
+            return empty
+
+    async def place(
+        self,
+        principal: Principal,
+        tenant_name: str,
+        compat_id: str,
+        tokens: Sequence[int],
+        session: str | None = None,
+        sampler: Sampler | None = None,
+        request_ref: str | None = None,
+        wait_prefetch: bool = False,
+    ) -> Placement:
+        """Choose an instance for a prompt of ``tokens``; wake or launch one when needed, and
+        prefetch its cached prefix where that pays."""
+        authorize(principal, OPERATOR_ROLES)
+        tenant = self.config.tenants.get(tenant_name)
+        tenant.check_compat(compat_id)
+        chain = BlockKeyChain(
+            tenant.scope_key, parse_compat_id(compat_id), self.config.block_tokens
+        )
+        keys = tuple(k.hex() for k in chain.extend(list(tokens)))
+        request = PlacementRequest(
+            tenant.scope_id, compat_id, keys, len(tokens), self.config.block_tokens
+        )
+        first = None
+        if session is not None:
+            first = SessionCheckpoint(
+                session=session,
+                epoch=0,
+                compat_id=compat_id,
+                scope_id=tenant.scope_id,
+                prompt_blocks=keys,
+                prompt_tail=tuple(tokens[len(keys) * self.config.block_tokens :]),
+                generated=(),
+                output_offset=0,
+                sampler=sampler or Sampler(method="greedy", deterministic=True),
+            )
+        active = [i.status for i in self.instances.active()]
+        sleeping = [i.status for i in self.instances.sleeping()]
+        lookup = await self._lookup(request, [s.instance for s in active + sleeping])
+        decision = place(request, lookup, active, sleeping, self.config.placement)
+        decision = await self._act_on(decision, request, lookup)
+        self.placements.labels(decision.outcome.value).inc()
+        chosen = decision.chosen
+        if chosen is not None:
+            self.predicted_ttft.observe(chosen.cost_us / 1e6)
+            for c in decision.candidates:
+                self.last_costs[canonical_url(c.instance)] = {
+                    "cost_us": round(c.cost_us, 1),
+                    "reused_tokens": c.reused_tokens,
+                    "chosen": c.instance == decision.instance,
+                }
+        log.info("placement %s", decision.to_json())
+        placement = Placement(decision, keys)
+        if decision.instance is None:
+            return placement
+        directive = build_directive(
+            request, lookup, decision.instance, self.config.placement, request_ref
+        )
+        if directive is not None and (chosen is None or chosen.uses_cache):
+            placement = await self._prefetch(placement, decision.instance, directive, wait_prefetch)
+        if first is not None:
+            entry = self.sessions.open(first, decision.instance)
+            placement = Placement(
+                placement.decision,
+                keys,
+                placement.directive,
+                placement.prefetch_state,
+                placement.loaded,
+                entry.epoch,
+            )
+        return placement
+
+    async def _act_on(
+        self, decision: Decision, request: PlacementRequest, lookup: LookupResponse
+    ) -> Decision:
+        """Wake the instance a decision names, or launch one."""
+        if decision.outcome is Outcome.WAKE and decision.instance is not None:
+            try:
+                self.instances.set_state(decision.instance, InstanceState.ACTIVE)
+                await self.peers.set_state(decision.instance, InstanceState.ACTIVE)
+            except KvspError as exc:
+                log.warning("could not wake %s: %s", decision.instance, exc.detail)
+        elif decision.outcome is Outcome.LAUNCH and self.launcher is not None:
+            url = await self.launcher.launch()
+            if url is not None:
+                return Decision(
+                    Outcome.LAUNCH,
+                    canonical_url(url),
+                    decision.candidates,
+                    decision.matched_blocks,
+                    0,
+                    decision.reason,
+                )
+        return decision
+
+    async def _prefetch(
+        self, placement: Placement, instance: str, directive: Any, wait: bool
+    ) -> Placement:
+        try:
+            location = await self.peers.prefetch(instance, directive)
+        except KvspError as exc:
+            log.warning("prefetch to %s failed: %s", instance, exc.detail)
+            self.prefetches.labels("unsent").inc()
+            return placement
+        state = PrefetchState.PENDING.value
+        loaded: tuple[str, ...] = ()
+        if wait:
+            deadline = self.clock.now_ms() + directive.deadline_ms
+            while True:
+                try:
+                    status = await self.peers.prefetch_status(location)
+                except KvspError:
+                    break
+                state, loaded = status.state.value, status.loaded
+                if status.state is not PrefetchState.PENDING or self.clock.now_ms() >= deadline:
+                    break
+                await asyncio.sleep(0.01)
+            self.prefetches.labels(state).inc()
+        return Placement(
+            placement.decision, placement.block_keys, directive.directive, state, tuple(loaded)
+        )
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    async def put_checkpoint(
+        self, principal: Principal, session: str, checkpoint: SessionCheckpoint
+    ) -> CheckpointAnswer:
+        authorize(principal, Role.INSTANCE, scope=checkpoint.scope_id)
+        if checkpoint.session != session:
+            raise RecordError("the checkpoint names another session than its path")
+        serving = self.sessions.get(session).instance
+        reporter = serving if principal.may_act_for(serving) else principal.name
+        return self.sessions.put_checkpoint(checkpoint, reporter)
+
+    async def _fail_over(self, session: str) -> None:
+        """Resume ``session`` elsewhere: place it again, then the new epoch and the resume."""
+        entry = self.sessions.get(session)
+        request = PlacementRequest(
+            entry.scope_id,
+            entry.compat_id,
+            entry.checkpoint.prompt_blocks,
+            len(entry.checkpoint.prompt_blocks) * self.config.block_tokens
+            + len(entry.checkpoint.prompt_tail)
+            + entry.checkpoint.output_offset,
+            self.config.block_tokens,
+        )
+        active = [i.status for i in self.instances.active()]
+        lookup = await self._lookup(request, [s.instance for s in active])
+        decision = place(request, lookup, active, [], self.config.placement)
+        if decision.instance is None:
+            log.error("session %s: no instance to resume on (%s)", session, decision.reason)
+            self.failovers.labels("no-instance").inc()
+            return
+        resumed = entry.checkpoint.model_copy(update={"epoch": entry.epoch + 1})
+        try:
+            await self.peers.resume(decision.instance, resumed)
+        except KvspError as exc:
+            log.error("session %s: resume at %s failed: %s", session, decision.instance, exc)
+            self.failovers.labels("failed").inc()
+            return
+        self.sessions.move(session, decision.instance)
+        self.failovers.labels("resumed").inc()
+        log.info("session %s resumed at %s, epoch %d", session, decision.instance, entry.epoch)
+
+    # -- resharding ----------------------------------------------------------------------------
+
+    def register_map(self, principal: Principal, shard_map: ShardMap) -> None:
+        authorize(principal, (Role.CONTROLLER,))
+        self.reshards.register(shard_map)
+
+    async def reshard(
+        self,
+        principal: Principal,
+        map_id: str,
+        target: ShardMap | None,
+        instances: Sequence[str] | None,
+        deadline_ms: int,
+    ) -> ReshardResult:
+        """Move ``map_id`` to ``target`` (or to a proposal over ``instances``): send every
+        member its plan, then commit when all acknowledged, or abort."""
+        authorize(principal, (Role.CONTROLLER,))
+        current = self.reshards.current(map_id)
+        if target is None:
+            if not instances:
+                raise RecordError("a reshard needs a target map or a list of instances")
+            target = propose(current, instances)
+        plans = self.reshards.begin(target, deadline_ms)
+
+        async def send(instance: str) -> ReshardResult | None:
+            try:
+                await self.peers.reshard(instance, plans[instance], timeout_s=deadline_ms / 1000)
+            except KvspError as exc:
+                log.warning("reshard plan to %s: %s", instance, exc.detail)
+                return self.reshards.abort(map_id, f"{instance} did not acknowledge")
+            if self.reshards.in_flight(map_id) != target.version:
+                return None  # already aborted by another member
+            return self.reshards.acknowledge(map_id, instance, target.version)
+
+        outcomes = await asyncio.gather(*(send(i) for i in plans))
+        result = next((r for r in outcomes if r is not None and not r.commit), None)
+        result = result or next((r for r in outcomes if r is not None), None)
+        if result is None:  # cannot happen: every member either acknowledged or aborted
+            result = self.reshards.abort(map_id, "incomplete") or ReshardResult(
+                map_id, target.version, False, tuple(plans), "incomplete"
+            )
+        await self._finish_reshard(result)
+        return result
+
+    async def _finish_reshard(self, result: ReshardResult) -> None:
+        message: ReshardCommit | ReshardAbort = (
+            ReshardCommit(map=result.map, commit=result.version)
+            if result.commit
+            else ReshardAbort(map=result.map, abort=result.version)
+        )
+        self.reshard_results.labels("committed" if result.commit else "aborted").inc()
+        for member in result.members:
+            try:
+                await self.peers.reshard(member, message)
+            except KvspError as exc:
+                log.warning(
+                    "reshard %s to %s: %s", "commit" if result.commit else "abort", member, exc
+                )
