@@ -1,7 +1,9 @@
-"""Real processes for tests: a redis-server on a free port, and kvsp services."""
+"""Real servers for tests: a redis-server on a free port, kvsp services in their own processes,
+and ASGI apps served by uvicorn inside the test's event loop."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -10,10 +12,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import uvicorn
 
 KVSP = Path(sys.executable).with_name("kvsp")
 
@@ -125,3 +129,22 @@ def running(*things: RedisServer | Service) -> Iterator[None]:
     finally:
         for thing in reversed(things):
             thing.stop()
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any, port: int = 0, lifespan: str = "on") -> AsyncIterator[str]:
+    """``app`` served by uvicorn on loopback (a free port unless given), in this event loop;
+    yields its base URL."""
+    port = port or free_port()
+    config = uvicorn.Config(app, "127.0.0.1", port, log_level="warning", lifespan=lifespan)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}/kvsp/"
+    finally:
+        server.should_exit = True
+        await task

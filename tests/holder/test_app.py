@@ -3,15 +3,12 @@ client, publishing to a real (in-process) Index Service, bad input and authoriza
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from kvsp.auth import Principals, token_sha256
 from kvsp.core.clock import ManualClock
@@ -35,7 +32,7 @@ from kvsp.index.service import IndexService
 from kvsp.index.state import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore
 from tests.holder.factories import COMPAT, OTHER_SCOPE, SCOPE, block_id, container
-from tests.servers import free_port
+from tests.servers import free_port, serving
 
 pytestmark = pytest.mark.anyio
 
@@ -71,25 +68,6 @@ token_sha256 = "{token_sha256("pc")}"
 roles = ["controller"]
 scopes = ["*"]
 """
-
-
-@contextlib.asynccontextmanager
-async def serving(app: Any, port: int = 0, lifespan: str = "on") -> AsyncIterator[str]:
-    """``app`` served by uvicorn on loopback (a free port unless given), in this event loop;
-    yields its base URL."""
-    port = port or free_port()
-    config = uvicorn.Config(app, "127.0.0.1", port, log_level="warning", lifespan=lifespan)
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}/kvsp/"
-    finally:
-        server.should_exit = True
-        await task
 
 
 class Env:

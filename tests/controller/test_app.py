@@ -1,0 +1,309 @@
+"""The Placement Controller over HTTP, in this event loop: a real (in-process) Index Service,
+stand-in instances served by uvicorn, and the controller's own routes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from kvsp.auth import Principals, token_sha256
+from kvsp.controller.app import create_app
+from kvsp.controller.service import ControllerConfig, ControllerService
+from kvsp.controller.tenants import Tenants
+from kvsp.core.clock import ManualClock
+from kvsp.core.keys import block_keys
+from kvsp.core.records import ReplicaRecord
+from kvsp.index.app import create_app as create_index_app
+from kvsp.index.client import IndexClient
+from kvsp.index.service import IndexService
+from kvsp.index.state import IndexLimits
+from kvsp.index.stores import MemoryReplicaStore
+from tests.controller.factories import SESSION
+from tests.controller.standin import StandIn
+from tests.index.factories import COMPAT, H1, replica
+from tests.servers import serving
+
+pytestmark = pytest.mark.anyio
+
+SCOPE_KEY = "11" * 32
+TOKENS = list(range(1000, 1080))  # 5 blocks of 16
+INDEX = "http://index.test/kvsp/"
+
+
+def principals(i1: str, i2: str, i3: str) -> str:
+    def p(name: str, roles: str, holders: str = "[]", scopes: str = '["*"]') -> str:
+        return (
+            f'[principals.{name}]\ntoken_sha256 = "{token_sha256(name)}"\n'
+            f"roles = {roles}\nholders = {holders}\nscopes = {scopes}\n"
+        )
+
+    return "\n".join(
+        [
+            p("op", '["controller"]'),
+            p("pc", '["controller"]', '["*"]'),
+            p("h1", '["holder"]', f'["{H1}"]'),
+            p("i1", '["instance"]', f'["{i1}"]'),
+            p("i2", '["instance"]', f'["{i2}"]'),
+            p("i3", '["instance"]', f'["{i3}"]'),
+        ]
+    )
+
+
+class Env:
+    def __init__(self, urls: list[str], stand_ins: list[StandIn]) -> None:
+        self.urls = urls
+        self.stand_ins = dict(zip(urls, stand_ins, strict=True))
+        self.clock = ManualClock()
+        self.principals = Principals.parse(principals(*urls))
+        index = IndexService(MemoryReplicaStore(self.clock, IndexLimits(max_ttl_ms=600_000)))
+        self.index_transport = httpx.ASGITransport(app=create_index_app(index, self.principals))
+        tenants = Tenants.parse(
+            f'[tenants.acme]\nscope_key = "{SCOPE_KEY}"\ncompat_ids = ["{COMPAT}"]\n'
+        )
+        self.tenant = tenants.get("acme")
+        self.service = ControllerService(
+            ControllerConfig(tenants=tenants),
+            self.clock,
+            IndexClient(INDEX, "pc", transport=self.index_transport),
+        )
+        self.app = create_app(self.service, self.principals)
+        self.http: httpx.AsyncClient
+
+    def keys(self) -> list[str]:
+        return [
+            k.hex() for k in block_keys(bytes.fromhex(SCOPE_KEY), bytes.fromhex(COMPAT), TOKENS, 16)
+        ]  # type: ignore[arg-type]
+
+    async def publish(self, blocks: int, holder: str = H1) -> None:
+        h1 = IndexClient(INDEX, "h1", transport=self.index_transport)
+        records = [
+            ReplicaRecord.parse(
+                {**replica(0, holder).to_json(), "block_key": key, "scope_id": self.tenant.scope_id}
+            )
+            for key in self.keys()[:blocks]
+        ]
+        await h1.batch(put=records)
+
+    async def call(
+        self, method: str, path: str, token: str = "op", body: Any = None
+    ) -> httpx.Response:
+        return await self.http.request(
+            method,
+            path,
+            json=body,
+            headers={"authorization": f"Bearer {token}"},
+        )
+
+    async def report(self, n: int, **changes: Any) -> httpx.Response:
+        doc: dict[str, Any] = {
+            "instance": self.urls[n],
+            "epoch": 1,
+            "state": "active",
+            "running": 0,
+            "queued": 0,
+            "batch_size": 8,
+            "kv_utilization": 0.1,
+            "prefill_tokens_per_s": 400,
+            "decode_tokens_per_s": 15,
+            "ttl_ms": 3_000,
+            **changes,
+        }
+        return await self.call("PUT", "status", f"i{n + 1}", doc)
+
+    async def place(self, **extra: Any) -> dict[str, Any]:
+        body = {"tenant": "acme", "compat_id": COMPAT, "tokens": TOKENS, **extra}
+        response = await self.call("POST", "place", body=body)
+        assert response.status_code == 200, response.text
+        doc: dict[str, Any] = response.json()
+        return doc
+
+
+@pytest.fixture
+async def env() -> AsyncIterator[Env]:
+    stand_ins = [StandIn(), StandIn(), StandIn(ack_reshard=False)]
+    async with contextlib.AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(serving(s.app)) for s in stand_ins]
+        e = Env(urls, stand_ins)
+        base = await stack.enter_async_context(serving(e.app))
+        e.http = await stack.enter_async_context(httpx.AsyncClient(base_url=base))
+        yield e
+
+
+LINK = [{"holder": H1, "mbit_per_s": 10_000, "rtt_us": 50}]
+
+
+async def test_status_answers_the_state_and_refuses_stale_epochs(env: Env) -> None:
+    assert (await env.report(0, epoch=5)).json() == {"state": "active"}
+    stale = await env.report(0, epoch=4)
+    assert stale.status_code == 409
+    assert stale.json()["type"].endswith("#kvsp-stale-epoch")
+    other = await env.call("PUT", "status", "i2", {**(await env.report(1)).json()})
+    assert other.status_code == 400  # not a status record at all
+    forged = await env.http.put(
+        "status",
+        json={"instance": env.urls[0], "epoch": 9, "state": "active", "running": 0, "queued": 0,
+              "batch_size": 8, "kv_utilization": 0.1, "prefill_tokens_per_s": 400,
+              "decode_tokens_per_s": 15, "ttl_ms": 3000},
+        headers={"authorization": "Bearer i2"},
+    )  # fmt: skip
+    assert forged.status_code == 403
+    view = (await env.call("GET", "instances")).json()["instances"]
+    assert [(i["instance"], i["epoch"]) for i in view] == [(env.urls[0], 5), (env.urls[1], 1)]
+
+
+async def test_placement_prefers_the_instance_that_can_load_the_prefix_and_prefetches(
+    env: Env,
+) -> None:
+    await env.publish(4)
+    await env.report(0, links=LINK)
+    await env.report(1)
+    doc = await env.place(wait_prefetch=True)
+    assert doc["outcome"] == "placed"
+    assert doc["instance"] == env.urls[0]
+    assert doc["matched_blocks"] == 4
+    assert doc["prefetch"] == {
+        "directive": doc["prefetch"]["directive"],
+        "state": "complete",
+        "loaded": 4,
+    }
+    (directive,) = env.stand_ins[env.urls[0]].of("prefetch")
+    assert [b["block_key"] for b in directive["blocks"]] == env.keys()[:4]
+    assert directive["blocks"][0]["sources"] == [H1]
+    assert directive["scope_id"] == env.tenant.scope_id
+    assert env.stand_ins[env.urls[1]].of("prefetch") == []
+    costs = {c["instance"]: c["cost_us"] for c in doc["candidates"]}
+    assert costs[env.urls[0]] < costs[env.urls[1]] == 200_000  # 80 tokens at 400/s
+    metrics = (await env.call("GET", "metrics")).text
+    assert 'kvsp_controller_placements_total{outcome="placed"} 1.0' in metrics
+
+
+async def test_6_3_a_drained_instance_gets_no_requests_and_a_sleeping_one_is_woken(
+    env: Env,
+) -> None:
+    await env.publish(4)
+    await env.report(0, links=LINK)
+    await env.report(1)
+    changed = await env.call(
+        "PUT", "instances/state", body={"instance": env.urls[0], "state": "draining"}
+    )
+    assert changed.status_code == 200
+    assert env.stand_ins[env.urls[0]].of("state") == [{"state": "draining"}]
+    assert (await env.place())["instance"] == env.urls[1]
+    # I2 asks to sleep; it is the last active one, so it must stay
+    assert (await env.report(1, requested_state="sleeping")).json() == {"state": "active"}
+    await env.report(0, state="sleeping", running=0)  # drained: now asleep
+    doc = await env.place(wait_prefetch=True)
+    assert doc["instance"] == env.urls[1]
+    forbidden = await env.call(
+        "PUT", "instances/state", "i1", {"instance": env.urls[0], "state": "active"}
+    )
+    assert forbidden.status_code == 403
+
+
+async def test_a_sleeping_instance_is_woken_when_nothing_active_is_acceptable(env: Env) -> None:
+    await env.publish(4)
+    await env.report(0, state="sleeping", links=LINK)
+    doc = await env.place()
+    assert doc["outcome"] == "wake"
+    assert doc["instance"] == env.urls[0]
+    assert env.stand_ins[env.urls[0]].of("state") == [{"state": "active"}]
+    assert len(env.stand_ins[env.urls[0]].of("prefetch")) == 1  # sent at once
+    assert (await env.report(0, state="active", links=LINK)).json() == {"state": "active"}
+
+
+async def test_6_8_checkpoints_failover_and_old_epochs(env: Env) -> None:
+    await env.report(0)
+    await env.report(1, queued=3)
+    doc = await env.place(
+        session=SESSION, sampler={"method": "top-k", "params": {"k": 5}, "seed": 3}
+    )
+    assert doc["instance"] == env.urls[0]
+    assert doc["session_epoch"] == 0
+    sampler = {"method": "top-k", "params": {"k": 5}, "seed": 3, "step": 3}
+    checkpoint = {
+        "session": SESSION, "epoch": 0, "compat_id": COMPAT, "scope_id": env.tenant.scope_id,
+        "prompt_blocks": env.keys(), "prompt_tail": [], "generated": [5, 6, 7],
+        "output_offset": 3, "sampler": sampler,
+    }  # fmt: skip
+    answer = await env.call("PUT", f"sessions/{SESSION}/checkpoint", "i1", checkpoint)
+    assert answer.json() == {"recorded": True, "acknowledged": 3, "epoch": 0}
+    # I1 stops reporting: its status expires and the session moves to I2 with epoch 1
+    env.clock.advance(2_000)
+    await env.report(1, queued=3)
+    env.clock.advance(1_000)
+    await env.service.tick()
+    (resume,) = env.stand_ins[env.urls[1]].of("resume")
+    assert resume["epoch"] == 1
+    assert resume["generated"] == [5, 6, 7]
+    assert resume["sampler"]["seed"] == 3
+    session = (await env.call("GET", f"sessions/{SESSION}")).json()
+    assert (session["instance"], session["epoch"], session["failovers"]) == (env.urls[1], 1, 1)
+    late = await env.call(
+        "PUT",
+        f"sessions/{SESSION}/checkpoint",
+        "i1",
+        {**checkpoint, "generated": [5, 6, 7, 8], "output_offset": 4},
+    )
+    assert late.status_code == 409
+    assert late.json()["type"].endswith("#kvsp-stale-epoch")
+    fresh = {**checkpoint, "epoch": 1, "generated": [5, 6, 7, 8], "output_offset": 4}
+    accepted = await env.call("PUT", f"sessions/{SESSION}/checkpoint", "i2", fresh)
+    assert accepted.json()["epoch"] == 1
+    nobody = "00000000-0000-4000-8000-000000000000"
+    unknown = await env.call(
+        "PUT", f"sessions/{nobody}/checkpoint", "i1", {**checkpoint, "session": nobody}
+    )
+    assert unknown.status_code == 404
+    metrics = (await env.call("GET", "metrics")).text
+    assert 'kvsp_controller_failovers_total{result="resumed"} 1.0' in metrics
+
+
+async def test_6_9_reshard_commits_when_all_acknowledge_and_aborts_otherwise(env: Env) -> None:
+    i1, i2, i3 = env.urls
+    v1 = {"map": "m", "version": 1, "shards": [{"tokens": [0, 100], "instance": i1},
+                                               {"tokens": [100, 200], "instance": i2}]}  # fmt: skip
+    assert (await env.call("POST", "shards", body=v1)).status_code == 201
+    gap = {"map": "g", "version": 1, "shards": [{"tokens": [0, 10], "instance": i1},
+                                                {"tokens": [20, 30], "instance": i2}]}  # fmt: skip
+    assert (await env.call("POST", "shards", body=gap)).status_code == 400
+    done = await env.call(
+        "POST", "shards/m/reshard", body={"instances": [i2, i1], "deadline_ms": 2000}
+    )
+    assert done.json()["committed"] is True
+    assert done.json()["version"] == 2
+    plans = {u: [b for b in env.stand_ins[u].of("reshard") if "from" in b] for u in (i1, i2)}
+    assert all(len(p) == 1 for p in plans.values())
+    assert {"map": "m", "commit": 2} in env.stand_ins[i1].of("reshard")
+    # a member that cannot load its part: the reshard aborts and version 2 stays
+    failing = await env.call("POST", "shards/m/reshard", body={"instances": [i1, i2, i3]})
+    assert failing.json()["committed"] is False
+    assert {"map": "m", "abort": 3} in env.stand_ins[i1].of("reshard")
+    current = (await env.call("GET", "shards/m")).json()
+    assert current["map"]["version"] == 2
+    assert current["in_flight"] is None
+
+
+async def test_bad_requests_are_problems(env: Env) -> None:
+    assert (
+        await env.call(
+            "POST", "place", body={"tenant": "nobody", "compat_id": COMPAT, "tokens": [1]}
+        )
+    ).status_code == 404
+    other_compat = {"tenant": "acme", "compat_id": "ab" * 32, "tokens": [1]}
+    assert (await env.call("POST", "place", body=other_compat)).status_code == 403
+    assert (
+        await env.call(
+            "POST", "place", "i1", {"tenant": "acme", "compat_id": COMPAT, "tokens": [1]}
+        )
+    ).status_code == 403
+    assert (await env.http.post("place", json={})).status_code == 401
+    assert (
+        await env.call(
+            "POST", "place", body={"tenant": "acme", "compat_id": COMPAT, "tokens": [-1]}
+        )
+    ).status_code == 400
+    assert (await env.call("GET", f"sessions/{SESSION}")).status_code == 404
