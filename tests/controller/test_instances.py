@@ -108,3 +108,12 @@ def test_transition_table_is_the_only_way() -> None:
     assert (D, A) in TRANSITIONS
     assert (S, D) not in TRANSITIONS
     assert all(to is not F or frm is not F for frm, to in TRANSITIONS)
+
+
+def test_failures_noticed_by_other_calls_are_still_handed_out() -> None:
+    t, clock = table()
+    t.put_status(status(I1, ttl_ms=1_000))
+    clock.advance(1_000)
+    t.put_status(status(I2))  # notices that I1 failed
+    assert [i.url for i in t.expire()] == [I1]
+    assert t.expire() == []

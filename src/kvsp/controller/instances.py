@@ -74,6 +74,8 @@ class InstanceTable:
         self.policy = policy or InstancePolicy()
         self._instances: dict[str, TrackedInstance] = {}
         self._deadlines: list[tuple[int, str]] = []
+        #: failures noticed but not yet handed out by ``expire``
+        self._failed: list[TrackedInstance] = []
 
     def __iter__(self) -> Iterator[TrackedInstance]:
         return iter(list(self._instances.values()))
@@ -86,11 +88,11 @@ class InstanceTable:
 
     def active(self) -> list[TrackedInstance]:
         """Instances that may receive requests and prefetch directives (KVSP 6.3)."""
-        self.expire()
+        self._notice_expired()
         return [i for i in self._instances.values() if i.state is A]
 
     def sleeping(self) -> list[TrackedInstance]:
-        self.expire()
+        self._notice_expired()
         return [i for i in self._instances.values() if i.state is S]
 
     @staticmethod
@@ -103,7 +105,7 @@ class InstanceTable:
 
     def put_status(self, status: InstanceStatusRecord) -> InstanceState:
         """Take a status; returns the state the PC answers with (``{"state": ...}``)."""
-        self.expire()
+        self._notice_expired()
         now = self.clock.now_ms()
         url = canonical_url(status.instance)
         known = self._instances.get(url)
@@ -159,7 +161,7 @@ class InstanceTable:
 
     def set_state(self, url: str, to: InstanceState) -> TrackedInstance:
         """A change the PC makes (wake, or drain); the adapter tells the instance."""
-        self.expire()
+        self._notice_expired()
         instance = self.get(url)
         if to not in (A, D):
             raise IllegalTransition("the PC can only wake (active) or drain an instance")
@@ -167,9 +169,16 @@ class InstanceTable:
         return instance
 
     def expire(self) -> list[TrackedInstance]:
-        """Instances whose latest status has expired become failed; returns them."""
+        """Instances whose latest status has expired become failed; returns every instance
+        that failed since the last call (also those noticed while handling other calls), so
+        the caller can fail their sessions over."""
+        self._notice_expired()
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _notice_expired(self) -> None:
         now = self.clock.now_ms()
-        failed = []
+        failed = self._failed
         deadlines = self._deadlines
         while deadlines and deadlines[0][0] <= now:
             at, url = heapq.heappop(deadlines)
@@ -180,4 +189,3 @@ class InstanceTable:
         if len(deadlines) > 64 + 4 * len(self._instances):
             self._deadlines = [(i.expires_at, u) for u, i in self._instances.items()]
             heapq.heapify(self._deadlines)
-        return failed
