@@ -71,10 +71,9 @@ async def test_placement_prefetch_and_failover_across_real_services(tmp_path: Pa
             "--log-level", "warning",
         )  # fmt: skip
         stack.enter_context(running(index, holder, controller))
-        keys = [
-            k.hex() for k in block_keys(bytes.fromhex(SCOPE_KEY), bytes.fromhex(COMPAT), TOKENS, 16)
-        ]  # type: ignore[arg-type]
-        scope = _scope_id()
+        scope_key = bytes.fromhex(SCOPE_KEY)
+        keys = [k.hex() for k in block_keys(scope_key, parse_compat_id(COMPAT), TOKENS, 16)]
+        scope = scope_id(scope_key).hex()
         async with HolderClient("op") as client:
             for n, key in enumerate(keys[:4]):
                 await client.put(holder_url, (COMPAT, scope, key), container(n))
