@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from kvsp.auth import token_sha256
-from kvsp.core.keys import block_keys
+from kvsp.core.ids import parse_compat_id
+from kvsp.core.keys import block_keys, scope_id
 from kvsp.holder.client import HolderClient
 from tests.controller.factories import SESSION
 from tests.controller.standin import StandIn
