@@ -61,6 +61,8 @@ class PlacementPolicy:
     mean_service_us: float = 500_000.0
     #: may the PC start instances through a launcher when none is acceptable
     can_launch: bool = False
+    #: send prefetch directives where loading the cached prefix pays
+    prefetch: bool = True
     prefetch_deadline_ms: int = 2_000
     prefetch_lease_ms: int = 10_000
 

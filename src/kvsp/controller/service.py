@@ -304,10 +304,10 @@ class ControllerService:
         placement = Placement(decision, keys)
         if decision.instance is None:
             return placement
-        directive = build_directive(
-            request, lookup, decision.instance, self.config.placement, request_ref
-        )
-        if directive is not None and (chosen is None or chosen.uses_cache):
+        policy = self.config.placement
+        directive = build_directive(request, lookup, decision.instance, policy, request_ref)
+        pays = chosen is None or chosen.uses_cache
+        if directive is not None and policy.prefetch and pays:
             placement = await self._prefetch(placement, decision.instance, directive, wait_prefetch)
         if first is not None:
             entry = self.sessions.open(first, decision.instance)

@@ -75,6 +75,16 @@ class ReplicaSummary:
     layer_count: int
     spans: tuple[TierSpan, ...]
     complete: bool
+    #: per span: (bits of its layers, its tier read rate or None), for ``transfer_us``
+    span_bits: tuple[tuple[float, float | None], ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        data = max(self.size - FIXED_HEADER_OCTETS - 16 * self.layer_count, 0)
+        per_layer = data / self.layer_count
+        bits = tuple(
+            (8 * per_layer * (s.last - s.first + 1), s.read_mbit_per_s) for s in self.spans
+        )
+        object.__setattr__(self, "span_bits", bits)
 
     @classmethod
     def of(cls, record: ReplicaRecord) -> ReplicaSummary:
@@ -93,15 +103,10 @@ class ReplicaSummary:
 def transfer_us(replica: ReplicaSummary, link: Link) -> float:
     """Time to move every layer of ``replica`` over ``link``, each tier span at
     ``min(link rate, tier read rate)``; excludes the round trip."""
-    layers = replica.layer_count
-    per_layer = max(replica.size - FIXED_HEADER_OCTETS - 16 * layers, 0) / layers
-    total = 0.0
-    for span in replica.spans:
-        rate = link.mbit_per_s
-        if span.read_mbit_per_s is not None:
-            rate = min(rate, span.read_mbit_per_s)
-        total += 8 * per_layer * (span.last - span.first + 1) / rate
-    return total
+    rate = link.mbit_per_s
+    return sum(
+        bits / (rate if read is None else min(rate, read)) for bits, read in replica.span_bits
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,25 +130,37 @@ def plan_fetch(
     resident = 0
     usable = 0
     here = canonical_url(target.instance)
+    links: dict[str, Link | None] = {}  # one link lookup per holder, not per record
+    # This loop runs targets x blocks x replicas times per lookup: kept flat on purpose.
     for index, records in enumerate(matched):
-        if any(r.holder == here for r in records):
-            resident += 1
+        best_done = 0.0
+        best: ReplicaSummary | None = None
+        for record in records:
+            holder = record.holder
+            if holder == here:
+                break
+            if not record.complete:
+                continue
+            link = (
+                links[holder]
+                if holder in links
+                else links.setdefault(holder, target.link_to(holder))
+            )
+            if link is None:
+                continue
+            done = finish.get(holder, float(link.rtt_us)) + transfer_us(record, link)
+            if best is None or done < best_done or (done == best_done and holder < best.holder):
+                best_done, best = done, record
+        else:
+            if best is None:
+                break
+            holder = best.holder
+            finish[holder] = best_done
+            sources.setdefault(holder, []).append(index)
+            octets[holder] = octets.get(holder, 0) + best.size
             usable += 1
             continue
-        best: tuple[float, str, ReplicaSummary] | None = None
-        for record in records:
-            link = target.link_to(record.holder)
-            if link is None or not record.complete:
-                continue
-            done = finish.get(record.holder, float(link.rtt_us)) + transfer_us(record, link)
-            if best is None or (done, record.holder) < (best[0], best[1]):
-                best = (done, record.holder, record)
-        if best is None:
-            break
-        done, holder, record = best
-        finish[holder] = done
-        sources.setdefault(holder, []).append(index)
-        octets[holder] = octets.get(holder, 0) + record.size
+        resident += 1  # the loop broke: the target holds this block
         usable += 1
     return FetchPlan(max(finish.values(), default=0.0), usable, resident, sources, octets)
 
