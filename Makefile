@@ -40,3 +40,4 @@ bench: bench-deps
 	$(PY) benchmarks/container.py
 	$(PY) benchmarks/index_lookup.py
 	$(PY) benchmarks/holder_transfer.py
+	$(PY) benchmarks/placement.py

@@ -4,6 +4,7 @@ stand-in instances served by uvicorn, and the controller's own routes."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -307,3 +308,33 @@ async def test_bad_requests_are_problems(env: Env) -> None:
         )
     ).status_code == 400
     assert (await env.call("GET", f"sessions/{SESSION}")).status_code == 404
+
+
+class Launcher:
+    """Starts an instance by handing out the URL of a stand-in that is already serving."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.launched = 0
+
+    async def launch(self) -> str | None:
+        self.launched += 1
+        return self.url
+
+
+async def test_6_4_a_new_instance_is_launched_and_sent_a_prefetch_directive_at_once(
+    env: Env,
+) -> None:
+    await env.publish(4)
+    launcher = Launcher(env.urls[2])
+    env.service.launcher = launcher
+    env.service.config = dataclasses.replace(
+        env.service.config,
+        placement=dataclasses.replace(env.service.config.placement, can_launch=True),
+    )
+    doc = await env.place()
+    assert doc["outcome"] == "launch"
+    assert doc["instance"] == env.urls[2]
+    assert launcher.launched == 1
+    (directive,) = env.stand_ins[env.urls[2]].of("prefetch")
+    assert [b["block_key"] for b in directive["blocks"]] == env.keys()[:4]
