@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvsp.auth import Principals, token_sha256
+from kvsp.auth import Principals
 from kvsp.controller.app import create_app
 from kvsp.controller.service import ControllerConfig, ControllerService
 from kvsp.controller.tenants import Tenants
@@ -26,6 +26,7 @@ from kvsp.index.stores import MemoryReplicaStore
 from tests.controller.factories import SESSION
 from tests.controller.standin import StandIn
 from tests.index.factories import COMPAT, H1, replica
+from tests.principals import principal
 from tests.servers import serving
 
 pytestmark = pytest.mark.anyio
@@ -36,20 +37,14 @@ INDEX = "http://index.test/kvsp/"
 
 
 def principals(i1: str, i2: str, i3: str) -> str:
-    def p(name: str, roles: str, holders: str = "[]", scopes: str = '["*"]') -> str:
-        return (
-            f'[principals.{name}]\ntoken_sha256 = "{token_sha256(name)}"\n'
-            f"roles = {roles}\nholders = {holders}\nscopes = {scopes}\n"
-        )
-
     return "\n".join(
         [
-            p("op", '["controller"]'),
-            p("pc", '["controller"]', '["*"]'),
-            p("h1", '["holder"]', f'["{H1}"]'),
-            p("i1", '["instance"]', f'["{i1}"]'),
-            p("i2", '["instance"]', f'["{i2}"]'),
-            p("i3", '["instance"]', f'["{i3}"]'),
+            principal("op", ["controller"]),
+            principal("pc", ["controller"], ["*"]),
+            principal("h1", ["holder"], [H1]),
+            principal("i1", ["instance"], [i1]),
+            principal("i2", ["instance"], [i2]),
+            principal("i3", ["instance"], [i3]),
         ]
     )
 

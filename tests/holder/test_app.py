@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvsp.auth import Principals, token_sha256
+from kvsp.auth import Principals
 from kvsp.core.clock import ManualClock
 from kvsp.core.digests import parse_repr_digest
 from kvsp.core.problems import (
@@ -32,6 +32,7 @@ from kvsp.index.service import IndexService
 from kvsp.index.state import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore
 from tests.holder.factories import COMPAT, OTHER_SCOPE, SCOPE, block_id, container
+from tests.principals import principal
 from tests.servers import free_port, serving
 
 pytestmark = pytest.mark.anyio
@@ -41,33 +42,15 @@ BLOCK_DATA = 4 * 128
 
 
 def principals(holder: str) -> str:
-    return f"""
-[principals.c1]
-token_sha256 = "{token_sha256("c1")}"
-roles = ["client"]
-scopes = ["{SCOPE}"]
-
-[principals.c2]
-token_sha256 = "{token_sha256("c2")}"
-roles = ["client"]
-scopes = ["{SCOPE}"]
-
-[principals.other]
-token_sha256 = "{token_sha256("other")}"
-roles = ["client"]
-scopes = ["{OTHER_SCOPE}"]
-
-[principals.holder]
-token_sha256 = "{token_sha256("holder")}"
-roles = ["holder"]
-holders = ["{holder}"]
-scopes = ["*"]
-
-[principals.pc]
-token_sha256 = "{token_sha256("pc")}"
-roles = ["controller"]
-scopes = ["*"]
-"""
+    return "\n".join(
+        [
+            principal("c1", ["client"], scopes=[SCOPE]),
+            principal("c2", ["client"], scopes=[SCOPE]),
+            principal("other", ["client"], scopes=[OTHER_SCOPE]),
+            principal("holder", ["holder"], [holder]),
+            principal("pc", ["controller"]),
+        ]
+    )
 
 
 class Env:

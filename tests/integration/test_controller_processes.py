@@ -12,7 +12,6 @@ from typing import Any
 import httpx
 import pytest
 
-from kvsp.auth import token_sha256
 from kvsp.core.ids import parse_compat_id
 from kvsp.core.keys import block_keys, scope_id
 from kvsp.holder.client import HolderClient
@@ -20,6 +19,7 @@ from tests.controller.factories import SESSION
 from tests.controller.standin import StandIn
 from tests.holder.factories import container
 from tests.index.factories import COMPAT
+from tests.principals import principal
 from tests.servers import Service, free_port, running, serving
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -29,19 +29,13 @@ TOKENS = list(range(2000, 2080))
 
 
 def principals(holder: str, i1: str, i2: str) -> str:
-    def p(name: str, roles: str, holders: str) -> str:
-        return (
-            f'[principals.{name}]\ntoken_sha256 = "{token_sha256(name)}"\n'
-            f'roles = {roles}\nholders = {holders}\nscopes = ["*"]\n'
-        )
-
     return "\n".join(
         [
-            p("op", '["controller", "client"]', "[]"),
-            p("pc", '["controller"]', '["*"]'),
-            p("holder", '["holder"]', f'["{holder}"]'),
-            p("i1", '["instance"]', f'["{i1}"]'),
-            p("i2", '["instance"]', f'["{i2}"]'),
+            principal("op", ["controller", "client"]),
+            principal("pc", ["controller"], ["*"]),
+            principal("holder", ["holder"], [holder]),
+            principal("i1", ["instance"], [i1]),
+            principal("i2", ["instance"], [i2]),
         ]
     )
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvsp.auth import token_sha256
 from kvsp.core.problems import KvspError, NotFound, ServiceUnavailable
 from kvsp.core.records import LookupRequest, ReplicaRecord
 from kvsp.holder.client import HolderClient
 from kvsp.index.client import IndexClient
 from tests.holder.factories import COMPAT, SCOPE, block_id, container
+from tests.principals import principal
 from tests.servers import Service, free_port, running
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -25,18 +25,9 @@ LAYERS, SECTION = 30, 4096
 
 
 def principals(holder_url: str) -> str:
-    return f"""
-[principals.holder]
-token_sha256 = "{token_sha256("holder")}"
-roles = ["holder"]
-holders = ["{holder_url}"]
-scopes = ["*"]
-
-[principals.client]
-token_sha256 = "{token_sha256("client")}"
-roles = ["client", "controller"]
-scopes = ["{SCOPE}"]
-"""
+    return principal("holder", ["holder"], [holder_url]) + principal(
+        "client", ["client", "controller"], scopes=[SCOPE]
+    )
 
 
 class Cluster:

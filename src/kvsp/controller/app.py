@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -34,6 +32,7 @@ from kvsp.core.records import (
 from kvsp.web.server import (
     install_problem_handlers,
     json_response,
+    lifespan_of,
     principal_of,
     read_json_body,
 )
@@ -70,14 +69,6 @@ def _json(doc: Any, status: int = 200) -> Response:
 
 
 def create_app(service: ControllerService, principals: Principals) -> Starlette:
-    @asynccontextmanager
-    async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        await service.start()
-        try:
-            yield
-        finally:
-            await service.close()
-
     async def body(request: Request) -> bytes:
         return await read_json_body(request, _BODY_OCTETS)
 
@@ -182,7 +173,7 @@ def create_app(service: ControllerService, principals: Principals) -> Starlette:
             Route(base + "healthz", healthz, methods=["GET"]),
             Route(base + "metrics", metrics, methods=["GET"]),
         ],
-        lifespan=lifespan,
+        lifespan=lifespan_of(service.start, service.close),
     )
     install_problem_handlers(app, log, lambda slug: service.rejected.labels(slug).inc())
     return app

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from types import TracebackType
 from urllib.parse import urljoin
 
 import httpx
@@ -19,13 +18,13 @@ from kvsp.core.records import (
     StateChange,
 )
 from kvsp.core.urls import canonical_url
-from kvsp.web.client import auth_headers, raise_for_problem, transport_errors
+from kvsp.web.client import ClosingClient, auth_headers, raise_for_problem, transport_errors
 from kvsp.web.server import JSON_MEDIA_TYPE
 
 __all__ = ["InstanceClient"]
 
 
-class InstanceClient:
+class InstanceClient(ClosingClient):
     """Calls any instance (addressed by its base URL) with the controller's bearer token."""
 
     def __init__(
@@ -39,17 +38,6 @@ class InstanceClient:
             timeout=timeout_s,
             transport=transport,
         )
-
-    async def __aenter__(self) -> InstanceClient:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         await self._http.aclose()

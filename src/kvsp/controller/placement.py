@@ -19,9 +19,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from kvsp.core.cost import CostBreakdown, ReplicaSummary, estimate_cost, placement_cost
-from kvsp.core.cost import recompute_us as recompute_time
-from kvsp.core.cost import wait_us as wait_time
+from kvsp.core.cost import CostBreakdown, ReplicaSummary, breakdown, estimate_cost
 from kvsp.core.problems import ConfigurationError
 from kvsp.core.records import (
     InstanceStatusRecord,
@@ -138,19 +136,13 @@ def _score(
         return estimate_cost(
             status, summaries, request.block_tokens, request.prompt_tokens, policy.mean_service_us
         )
-    rate = status.prefill_tokens_per_s
-    reused = min(estimate.fetch_blocks * request.block_tokens, request.prompt_tokens)
-    unmatched = recompute_time(request.prompt_tokens - reused, rate)
-    everything = recompute_time(request.prompt_tokens, rate)
-    wait = wait_time(status.queued, policy.mean_service_us)
-    return CostBreakdown(
-        instance=status.instance,
-        wait_us=wait,
-        fetch_us=estimate.fetch_us,
-        reused_tokens=reused,
-        recompute_unmatched_us=unmatched,
-        recompute_all_us=everything,
-        cost_us=placement_cost(wait, estimate.fetch_us, unmatched, everything),
+    return breakdown(
+        status,
+        estimate.fetch_us,
+        estimate.fetch_blocks,
+        request.block_tokens,
+        request.prompt_tokens,
+        policy.mean_service_us,
     )
 
 

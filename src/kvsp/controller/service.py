@@ -11,7 +11,6 @@ tables: a session moves to a new instance only once that instance has accepted t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ from kvsp.core.records import (
 )
 from kvsp.core.urls import canonical_url
 from kvsp.index.client import IndexClient
+from kvsp.tasks import cancel_all
 
 __all__ = ["ControllerConfig", "ControllerService", "Launcher", "Placement"]
 
@@ -161,11 +161,7 @@ class ControllerService:
         self._tasks = [asyncio.create_task(self._ticker(), name="kvsp-controller-tick")]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all(self._tasks)
         await self.peers.aclose()
         if self.index is not None:
             await self.index.aclose()

@@ -29,6 +29,7 @@ __all__ = [
     "FetchPlan",
     "ReplicaSummary",
     "TierSpan",
+    "breakdown",
     "estimate_cost",
     "placement_cost",
     "plan_fetch",
@@ -182,6 +183,31 @@ class CostBreakdown:
         return self.fetch_us + self.recompute_unmatched_us < self.recompute_all_us
 
 
+def breakdown(
+    target: InstanceStatusRecord,
+    fetch_us: float,
+    loadable_blocks: int,
+    block_tokens: int,
+    prompt_tokens: int,
+    mean_service_us: float,
+) -> CostBreakdown:
+    """``cost(i)`` from the time to load ``loadable_blocks`` blocks of the matched prefix."""
+    reused = min(loadable_blocks * block_tokens, prompt_tokens)
+    rate = target.prefill_tokens_per_s
+    unmatched = recompute_us(prompt_tokens - reused, rate)
+    everything = recompute_us(prompt_tokens, rate)
+    wait = wait_us(target.queued, mean_service_us)
+    return CostBreakdown(
+        instance=target.instance,
+        wait_us=wait,
+        fetch_us=fetch_us,
+        reused_tokens=reused,
+        recompute_unmatched_us=unmatched,
+        recompute_all_us=everything,
+        cost_us=placement_cost(wait, fetch_us, unmatched, everything),
+    )
+
+
 def estimate_cost(
     target: InstanceStatusRecord,
     matched: Sequence[Sequence[ReplicaSummary]],
@@ -191,17 +217,6 @@ def estimate_cost(
 ) -> CostBreakdown:
     """``cost(i)`` of serving a ``prompt_tokens`` prompt at ``target`` given a lookup answer."""
     plan = plan_fetch(target, matched)
-    reused = min(plan.usable_blocks * block_tokens, prompt_tokens)
-    rate = target.prefill_tokens_per_s
-    unmatched = recompute_us(prompt_tokens - reused, rate)
-    everything = recompute_us(prompt_tokens, rate)
-    wait = wait_us(target.queued, mean_service_us)
-    return CostBreakdown(
-        instance=target.instance,
-        wait_us=wait,
-        fetch_us=plan.fetch_us,
-        reused_tokens=reused,
-        recompute_unmatched_us=unmatched,
-        recompute_all_us=everything,
-        cost_us=placement_cost(wait, plan.fetch_us, unmatched, everything),
+    return breakdown(
+        target, plan.fetch_us, plan.usable_blocks, block_tokens, prompt_tokens, mean_service_us
     )

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from urllib.parse import parse_qs
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -36,6 +34,7 @@ from kvsp.web.server import (
     header_value,
     install_problem_handlers,
     json_response,
+    lifespan_of,
     principal_of,
     read_body,
     read_json_body,
@@ -84,14 +83,6 @@ def create_app(
     service: HolderService,
     principals: Principals,
 ) -> Starlette:
-    @asynccontextmanager
-    async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        await service.start()
-        try:
-            yield
-        finally:
-            await service.close()
-
     async def get_block(scope: Scope, receive: Receive, send: Send) -> None:
         block = _block_of(scope["path_params"])
         layers = parse_block_query(scope["query_string"])
@@ -168,7 +159,7 @@ def create_app(
             Route(BASE + "healthz", healthz, methods=["GET"]),
             Route(BASE + "metrics", metrics, methods=["GET"]),
         ],
-        lifespan=lifespan,
+        lifespan=lifespan_of(service.start, service.close),
     )
     install_problem_handlers(app, log, lambda slug: service.rejected.labels(slug).inc())
     return app

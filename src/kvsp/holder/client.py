@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from types import TracebackType
 
 import aiohttp
 
@@ -23,7 +22,7 @@ from kvsp.core.problems import DigestError, ServiceUnavailable
 from kvsp.core.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord
 from kvsp.core.urls import canonical_url
 from kvsp.holder.blocks import BLOCK_MEDIA_TYPE, BlockId, block_ref
-from kvsp.web.client import auth_headers, problem_for
+from kvsp.web.client import ClosingClient, auth_headers, problem_for
 from kvsp.web.server import JSON_MEDIA_TYPE
 
 __all__ = ["BlockReceiver", "HolderClient"]
@@ -67,7 +66,7 @@ class BlockReceiver:
         return container
 
 
-class HolderClient:
+class HolderClient(ClosingClient):
     """Talks to any holder (records name their holder's base URL) with one bearer token.
 
     Block octets travel over aiohttp, whose C parser moves large bodies several times faster
@@ -79,17 +78,6 @@ class HolderClient:
         self._headers = auth_headers(token)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
-
-    async def __aenter__(self) -> HolderClient:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         if self._session is not None:

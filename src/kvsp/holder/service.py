@@ -11,7 +11,6 @@ IS is away; records are republished before they expire.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import itertools
 import logging
@@ -46,6 +45,7 @@ from kvsp.holder.store import (
 )
 from kvsp.holder.tiers import DiskTier, MemoryTier
 from kvsp.index.client import IndexClient
+from kvsp.tasks import cancel_all
 
 __all__ = ["BLOCK_ROLES", "HolderConfig", "HolderService"]
 
@@ -174,11 +174,7 @@ class HolderService:
         )
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all(self._tasks)
         if self.index is not None:
             try:
                 await asyncio.wait_for(self._flush(), timeout=2.0)

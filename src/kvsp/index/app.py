@@ -9,8 +9,6 @@ dependency machinery cost more than the lookup itself (docs/decisions/0006).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -36,6 +34,7 @@ from kvsp.web.server import (
     header_value,
     install_problem_handlers,
     json_response,
+    lifespan_of,
     parse_json_object,
     principal_of,
     read_body,
@@ -68,14 +67,6 @@ def create_app(
     principals: Principals,
     max_body_octets: int = DEFAULT_MAX_BODY_OCTETS,
 ) -> Starlette:
-    @asynccontextmanager
-    async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        await service.store.start()
-        try:
-            yield
-        finally:
-            await service.store.close()
-
     async def publish(request: Request) -> Response:
         compat, scope, block_key = _block_path(request)
         principal = principal_of(request, principals)
@@ -141,7 +132,7 @@ def create_app(
             Route(BASE + "healthz", healthz, methods=["GET"]),
             Route(BASE + "metrics", metrics, methods=["GET"]),
         ],
-        lifespan=lifespan,
+        lifespan=lifespan_of(service.store.start, service.store.close),
     )
     install_problem_handlers(app, log, lambda slug: service.metrics.rejected.labels(slug).inc())
     return app

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from types import TracebackType
 
 import httpx
 
@@ -17,13 +16,13 @@ from kvsp.core.records import (
     ReplicaRef,
 )
 from kvsp.index.state import PublishOutcome
-from kvsp.web.client import auth_headers, raise_for_problem, transport_errors
+from kvsp.web.client import ClosingClient, auth_headers, raise_for_problem, transport_errors
 from kvsp.web.server import JSON_MEDIA_TYPE
 
 __all__ = ["IndexClient"]
 
 
-class IndexClient:
+class IndexClient(ClosingClient):
     """Talks to one Index Service base URL (ending in ``/kvsp/``) with one bearer token."""
 
     def __init__(
@@ -39,17 +38,6 @@ class IndexClient:
             timeout=timeout_s,
             transport=transport,
         )
-
-    async def __aenter__(self) -> IndexClient:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         await self._http.aclose()

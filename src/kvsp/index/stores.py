@@ -27,7 +27,6 @@ reconnects on the next call, so the service recovers by itself.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from kvsp.index.state import (
     StoredReplica,
     record_tail,
 )
+from kvsp.tasks import cancel_all
 
 __all__ = [
     "LookupResult",
@@ -408,9 +408,7 @@ class RedisReplicaStore:
 
     async def close(self) -> None:
         if self._expirer is not None:
-            self._expirer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._expirer
+            await cancel_all([self._expirer])
             self._expirer = None
         await self._redis.aclose()
 

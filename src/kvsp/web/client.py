@@ -8,17 +8,37 @@ in process and across the network. A peer that cannot be reached is ``ServiceUna
 from __future__ import annotations
 
 import json
+from types import TracebackType
+from typing import Self
 
 import httpx
 
 from kvsp.core.problems import PROBLEM_TYPE_BASE, KvspError, ServiceUnavailable, problem_types
 
-__all__ = ["auth_headers", "problem_for", "raise_for_problem", "transport_errors"]
+__all__ = ["ClosingClient", "auth_headers", "problem_for", "raise_for_problem", "transport_errors"]
 
 _BY_SLUG = problem_types()
 
 #: httpx errors that mean "the peer is not there right now".
 transport_errors = (httpx.TransportError,)
+
+
+class ClosingClient:
+    """Base of kvsp's clients: ``async with`` closes the client's connections on the way out."""
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
 
 
 def auth_headers(token: str | None) -> dict[str, str]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
@@ -39,6 +40,7 @@ __all__ = [
     "header_value",
     "install_problem_handlers",
     "json_response",
+    "lifespan_of",
     "parse_json_object",
     "principal_of",
     "read_body",
@@ -103,6 +105,22 @@ def install_problem_handlers(
     app.add_exception_handler(KvspError, kvsp_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)
+
+
+def lifespan_of(
+    start: Callable[[], Awaitable[None]], close: Callable[[], Awaitable[None]]
+) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
+    """A Starlette lifespan that starts a service's background work and closes it at exit."""
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await start()
+        try:
+            yield
+        finally:
+            await close()
+
+    return lifespan
 
 
 class AsgiEndpoint:
