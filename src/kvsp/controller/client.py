@@ -6,7 +6,6 @@ from urllib.parse import urljoin
 
 import httpx
 
-from kvsp.core.problems import ServiceUnavailable
 from kvsp.core.records import (
     InstanceState,
     PrefetchDirective,
@@ -18,14 +17,15 @@ from kvsp.core.records import (
     StateChange,
 )
 from kvsp.core.urls import canonical_url
-from kvsp.web.client import ClosingClient, auth_headers, raise_for_problem, transport_errors
-from kvsp.web.server import JSON_MEDIA_TYPE
+from kvsp.web.client import JsonClient
 
 __all__ = ["InstanceClient"]
 
 
-class InstanceClient(ClosingClient):
+class InstanceClient(JsonClient):
     """Calls any instance (addressed by its base URL) with the controller's bearer token."""
+
+    peer = "instance"
 
     def __init__(
         self,
@@ -33,25 +33,7 @@ class InstanceClient(ClosingClient):
         timeout_s: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self._http = httpx.AsyncClient(
-            headers={**auth_headers(token), "content-type": JSON_MEDIA_TYPE},
-            timeout=timeout_s,
-            transport=transport,
-        )
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
-
-    async def _send(
-        self, method: str, url: str, body: bytes | None = None, timeout_s: float | None = None
-    ) -> httpx.Response:
-        extra = {} if timeout_s is None else {"timeout": timeout_s}
-        try:
-            response = await self._http.request(method, url, content=body, **extra)  # type: ignore[arg-type]
-        except transport_errors as exc:
-            raise ServiceUnavailable(f"instance unreachable: {exc!r}") from None
-        raise_for_problem(response)
-        return response
+        super().__init__("", token, timeout_s, transport)
 
     async def set_state(self, instance: str, state: InstanceState) -> None:
         body = StateChange(state=state).model_dump_json().encode()
@@ -80,4 +62,4 @@ class InstanceClient(ClosingClient):
     ) -> None:
         """Send a plan (answered 200 once its fetches are loaded), a commit or an abort."""
         body = message.model_dump_json(by_alias=True).encode()
-        await self._send("POST", canonical_url(instance) + "reshard", body, timeout_s)
+        await self._send("POST", canonical_url(instance) + "reshard", body, timeout_s=timeout_s)

@@ -19,12 +19,15 @@ from typing import Literal, get_args
 from kvsp.core.problems import DescriptorError
 
 __all__ = [
+    "BLOCK_MEDIA_TYPE",
     "CODECS",
     "CODEC_RAW",
     "ELEMENT_TYPES",
+    "JSON_MEDIA_TYPE",
     "LAYOUTS",
     "LAYOUT_1",
     "POSITIONAL_ENCODINGS",
+    "PROBLEM_MEDIA_TYPE",
     "TIERS",
     "Codec",
     "ElementType",
@@ -172,3 +175,9 @@ def parse_positional(text: str) -> tuple[PositionalEncoding, dict[str, str]]:
         params[key] = value
         previous = key
     return encoding, params
+
+
+#: KVSP 11.1 and RFC 9457: the media types kvsp services speak.
+JSON_MEDIA_TYPE = "application/kvsp+json"
+BLOCK_MEDIA_TYPE = "application/kvsp-block"
+PROBLEM_MEDIA_TYPE = "application/problem+json"

@@ -26,8 +26,8 @@ from kvsp.core.digests import repr_digest
 from kvsp.core.ids import parse_block_key, parse_compat_id, parse_scope_id
 from kvsp.core.problems import InvalidInput, PreconditionRequired
 from kvsp.core.records import LeaseRenewal, LeaseRequest
-from kvsp.core.registries import CODECS
-from kvsp.holder.blocks import BLOCK_MEDIA_TYPE, BlockId
+from kvsp.core.registries import BLOCK_MEDIA_TYPE, CODECS
+from kvsp.holder.blocks import BlockId
 from kvsp.holder.service import HolderService
 from kvsp.web.server import (
     AsgiEndpoint,

@@ -17,10 +17,7 @@ from typing import Any
 from kvsp.core.container import Container, ContainerHeader, layer_digest, replica_digest
 from kvsp.core.problems import ContainerError, DigestError, RecordError
 
-__all__ = ["BLOCK_MEDIA_TYPE", "BlockId", "BlockMeta", "block_ref", "verify_layers"]
-
-#: KVSP 11.1: the media type of a KV Block Container.
-BLOCK_MEDIA_TYPE = "application/kvsp-block"
+__all__ = ["BlockId", "BlockMeta", "block_ref", "verify_layers"]
 
 #: (compat_id, scope_id, block_key), lower-case hex.
 BlockId = tuple[str, str, str]

@@ -20,10 +20,10 @@ from kvsp.core.container import Container, ContainerParser, LayerSections
 from kvsp.core.digests import verify_repr_digest
 from kvsp.core.problems import DigestError, ServiceUnavailable
 from kvsp.core.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord
+from kvsp.core.registries import BLOCK_MEDIA_TYPE, JSON_MEDIA_TYPE
 from kvsp.core.urls import canonical_url
-from kvsp.holder.blocks import BLOCK_MEDIA_TYPE, BlockId, block_ref
+from kvsp.holder.blocks import BlockId, block_ref
 from kvsp.web.client import ClosingClient, auth_headers, problem_for
-from kvsp.web.server import JSON_MEDIA_TYPE
 
 __all__ = ["BlockReceiver", "HolderClient"]
 

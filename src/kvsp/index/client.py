@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-import httpx
-
-from kvsp.core.problems import ServiceUnavailable
 from kvsp.core.records import (
     InstanceStatusRecord,
     LookupRequest,
@@ -16,45 +13,15 @@ from kvsp.core.records import (
     ReplicaRef,
 )
 from kvsp.index.state import PublishOutcome
-from kvsp.web.client import ClosingClient, auth_headers, raise_for_problem, transport_errors
-from kvsp.web.server import JSON_MEDIA_TYPE
+from kvsp.web.client import JsonClient
 
 __all__ = ["IndexClient"]
 
 
-class IndexClient(ClosingClient):
+class IndexClient(JsonClient):
     """Talks to one Index Service base URL (ending in ``/kvsp/``) with one bearer token."""
 
-    def __init__(
-        self,
-        base_url: str,
-        token: str | None = None,
-        timeout_s: float = 5.0,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        self._http = httpx.AsyncClient(
-            base_url=base_url if base_url.endswith("/") else base_url + "/",
-            headers={**auth_headers(token), "content-type": JSON_MEDIA_TYPE},
-            timeout=timeout_s,
-            transport=transport,
-        )
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
-
-    async def _send(
-        self,
-        method: str,
-        path: str,
-        body: bytes | None = None,
-        params: dict[str, str] | None = None,
-    ) -> httpx.Response:
-        try:
-            response = await self._http.request(method, path, content=body, params=params)
-        except transport_errors as exc:
-            raise ServiceUnavailable(f"index service unreachable: {exc!r}") from None
-        raise_for_problem(response)
-        return response
+    peer = "index service"
 
     async def publish(self, record: ReplicaRecord) -> PublishOutcome:
         path = f"replicas/{record.compat_id}/{record.scope_id}/{record.block_key}"

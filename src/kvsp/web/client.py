@@ -14,8 +14,16 @@ from typing import Self
 import httpx
 
 from kvsp.core.problems import PROBLEM_TYPE_BASE, KvspError, ServiceUnavailable, problem_types
+from kvsp.core.registries import JSON_MEDIA_TYPE
 
-__all__ = ["ClosingClient", "auth_headers", "problem_for", "raise_for_problem", "transport_errors"]
+__all__ = [
+    "ClosingClient",
+    "JsonClient",
+    "auth_headers",
+    "problem_for",
+    "raise_for_problem",
+    "transport_errors",
+]
 
 _BY_SLUG = problem_types()
 
@@ -39,6 +47,51 @@ class ClosingClient:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+
+class JsonClient(ClosingClient):
+    """An httpx client for a kvsp JSON service: bearer token, JSON content type, problem
+    documents raised as kvsp errors, and an unreachable peer as ``ServiceUnavailable``."""
+
+    #: what the peer is called in errors ("index service", "instance")
+    peer = "service"
+
+    def __init__(
+        self,
+        base_url: str = "",
+        token: str | None = None,
+        timeout_s: float = 5.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if base_url and not base_url.endswith("/"):
+            base_url += "/"
+        self._http = httpx.AsyncClient(
+            base_url=base_url,
+            headers={**auth_headers(token), "content-type": JSON_MEDIA_TYPE},
+            timeout=timeout_s,
+            transport=transport,
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _send(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None = None,
+        params: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> httpx.Response:
+        timeout = self._http.timeout if timeout_s is None else httpx.Timeout(timeout_s)
+        try:
+            response = await self._http.request(
+                method, url, content=body, params=params, timeout=timeout
+            )
+        except transport_errors as exc:
+            raise ServiceUnavailable(f"{self.peer} unreachable: {exc!r}") from None
+        raise_for_problem(response)
+        return response
 
 
 def auth_headers(token: str | None) -> dict[str, str]:

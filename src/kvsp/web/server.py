@@ -32,10 +32,9 @@ from kvsp.core.problems import (
     RecordError,
     UnsupportedMediaType,
 )
+from kvsp.core.registries import JSON_MEDIA_TYPE, PROBLEM_MEDIA_TYPE
 
 __all__ = [
-    "JSON_MEDIA_TYPE",
-    "PROBLEM_MEDIA_TYPE",
     "AsgiEndpoint",
     "header_value",
     "install_problem_handlers",
@@ -48,8 +47,6 @@ __all__ = [
     "send_json",
 ]
 
-JSON_MEDIA_TYPE = "application/kvsp+json"
-PROBLEM_MEDIA_TYPE = "application/problem+json"
 _ACCEPTED_TYPES = (JSON_MEDIA_TYPE, "application/json")
 
 
