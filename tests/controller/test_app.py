@@ -173,8 +173,17 @@ async def test_placement_prefers_the_instance_that_can_load_the_prefix_and_prefe
     assert env.stand_ins[env.urls[1]].of("prefetch") == []
     costs = {c["instance"]: c["cost_us"] for c in doc["candidates"]}
     assert costs[env.urls[0]] < costs[env.urls[1]] == 200_000  # 80 tokens at 400/s
+    measured = await env.call("PUT", f"decisions/{doc['decision']}/ttft", body={"ttft_us": 50_000})
+    predicted = costs[env.urls[0]]
+    assert measured.json() == {"predicted_us": predicted, "measured_us": 50_000}
+    again = await env.call("PUT", f"decisions/{doc['decision']}/ttft", body={"ttft_us": 1})
+    assert again.status_code == 404  # reported once
+    bad = await env.call("PUT", "decisions/x/ttft", body={"ttft_us": -1})
+    assert bad.status_code == 400
     metrics = (await env.call("GET", "metrics")).text
     assert 'kvsp_controller_placements_total{outcome="placed"} 1.0' in metrics
+    assert "kvsp_controller_measured_ttft_seconds_count 1.0" in metrics
+    assert "kvsp_controller_ttft_measured_over_predicted_count 1.0" in metrics
 
 
 async def test_6_3_a_drained_instance_gets_no_requests_and_a_sleeping_one_is_woken(

@@ -8,7 +8,7 @@ import logging
 from typing import Annotated, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import Field, StrictBool, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -37,7 +37,7 @@ from kvsp.web.server import (
     read_json_body,
 )
 
-__all__ = ["InstanceStateChange", "PlaceRequest", "ReshardRequest", "create_app"]
+__all__ = ["InstanceStateChange", "PlaceRequest", "ReshardRequest", "TtftReport", "create_app"]
 
 log = logging.getLogger("kvsp.controller")
 _BODY_OCTETS = 16 << 20
@@ -51,6 +51,10 @@ class PlaceRequest(Record):
     sampler: Sampler | None = None
     request_ref: Annotated[StrictStr, Field(max_length=256)] | None = None
     wait_prefetch: StrictBool = False
+
+
+class TtftReport(Record):
+    ttft_us: Annotated[StrictFloat | StrictInt, Field(ge=0, le=3.6e9, allow_inf_nan=False)]
 
 
 class InstanceStateChange(Record):
@@ -120,6 +124,12 @@ def create_app(service: ControllerService, principals: Principals) -> Starlette:
         )
         return _json(placement.to_json())
 
+    async def ttft(request: Request) -> Response:
+        principal = principal_of(request, principals)
+        parsed = TtftReport.parse(await body(request))
+        predicted = service.observe_ttft(principal, request.path_params["decision"], parsed.ttft_us)
+        return _json({"predicted_us": round(predicted, 1), "measured_us": parsed.ttft_us})
+
     async def register_map(request: Request) -> Response:
         principal = principal_of(request, principals)
         parsed = ShardMap.parse(await body(request))
@@ -167,6 +177,7 @@ def create_app(service: ControllerService, principals: Principals) -> Starlette:
             Route(base + "instances", instances, methods=["GET"]),
             Route(base + "instances/state", instance_state, methods=["PUT"]),
             Route(base + "place", place, methods=["POST"]),
+            Route(base + "decisions/{decision}/ttft", ttft, methods=["PUT"]),
             Route(base + "shards", register_map, methods=["POST"]),
             Route(base + "shards/{map}", get_map, methods=["GET"]),
             Route(base + "shards/{map}/reshard", reshard, methods=["POST"]),

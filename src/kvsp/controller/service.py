@@ -11,7 +11,10 @@ tables: a session moves to a new instance only once that instance has accepted t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,7 +38,7 @@ from kvsp.controller.tenants import Tenants
 from kvsp.core.clock import Clock, SystemClock
 from kvsp.core.ids import parse_compat_id
 from kvsp.core.keys import BlockKeyChain
-from kvsp.core.problems import KvspError, RecordError
+from kvsp.core.problems import KvspError, NotFound, RecordError
 from kvsp.core.records import (
     InstanceState,
     InstanceStatusRecord,
@@ -56,8 +59,10 @@ __all__ = ["ControllerConfig", "ControllerService", "Launcher", "Placement"]
 
 log = logging.getLogger("kvsp.controller")
 
-#: Roles that may ask for placements and change lifecycle or shard maps.
+#: Roles that may ask for placements and report their TTFT.
 OPERATOR_ROLES = (Role.CONTROLLER, Role.CLIENT)
+#: Decisions whose measured TTFT may still be reported.
+MAX_PREDICTIONS = 65_536
 
 
 class Launcher(Protocol):
@@ -84,6 +89,8 @@ class ControllerConfig:
 class Placement:
     decision: Decision
     block_keys: tuple[str, ...]
+    #: names the decision when its measured TTFT is reported back
+    decision_id: str = ""
     #: the directive sent to the chosen instance, its state, and the keys it loaded
     directive: str | None = None
     prefetch_state: str | None = None
@@ -92,6 +99,7 @@ class Placement:
 
     def to_json(self) -> dict[str, Any]:
         doc = self.decision.to_json()
+        doc["decision"] = self.decision_id
         doc["block_keys"] = len(self.block_keys)
         if self.directive is not None:
             doc["prefetch"] = {
@@ -138,6 +146,20 @@ class ControllerService:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
+        self.measured_ttft = Histogram(
+            "kvsp_controller_measured_ttft_seconds",
+            "Time to first token reported for placed requests",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.ttft_ratio = Histogram(
+            "kvsp_controller_ttft_measured_over_predicted",
+            "Measured TTFT / predicted cost(i), per reported decision",
+            buckets=(0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2, 4, 8),
+            registry=r,
+        )
+        #: predicted cost of recent decisions, until their measured TTFT arrives
+        self._predictions: OrderedDict[str, float] = OrderedDict()
         self.failovers = Counter(
             "kvsp_controller_failovers", "Sessions resumed elsewhere", ["result"], registry=r
         )
@@ -296,8 +318,13 @@ class ControllerService:
                     "reused_tokens": c.reused_tokens,
                     "chosen": c.instance == decision.instance,
                 }
-        log.info("placement %s", decision.to_json())
-        placement = Placement(decision, keys)
+        decision_id = str(uuid.uuid4())
+        log.info("placement %s %s", decision_id, decision.to_json())
+        if chosen is not None:
+            self._predictions[decision_id] = chosen.cost_us
+            while len(self._predictions) > MAX_PREDICTIONS:
+                self._predictions.popitem(last=False)
+        placement = Placement(decision, keys, decision_id)
         if decision.instance is None:
             return placement
         policy = self.config.placement
@@ -307,15 +334,19 @@ class ControllerService:
             placement = await self._prefetch(placement, decision.instance, directive, wait_prefetch)
         if first is not None:
             entry = self.sessions.open(first, decision.instance)
-            placement = Placement(
-                placement.decision,
-                keys,
-                placement.directive,
-                placement.prefetch_state,
-                placement.loaded,
-                entry.epoch,
-            )
+            placement = dataclasses.replace(placement, session_epoch=entry.epoch)
         return placement
+
+    def observe_ttft(self, principal: Principal, decision_id: str, ttft_us: float) -> float:
+        """The measured time to first token of a placed request; returns the prediction."""
+        authorize(principal, OPERATOR_ROLES)
+        predicted = self._predictions.pop(decision_id, None)
+        if predicted is None:
+            raise NotFound(f"no recent decision {decision_id} waits for its TTFT")
+        self.measured_ttft.observe(ttft_us / 1e6)
+        if predicted > 0:
+            self.ttft_ratio.observe(ttft_us / predicted)
+        return predicted
 
     async def _act_on(
         self, decision: Decision, request: PlacementRequest, lookup: LookupResponse
@@ -363,8 +394,8 @@ class ControllerService:
                     break
                 await asyncio.sleep(0.01)
             self.prefetches.labels(state).inc()
-        return Placement(
-            placement.decision, placement.block_keys, directive.directive, state, tuple(loaded)
+        return dataclasses.replace(
+            placement, directive=directive.directive, prefetch_state=state, loaded=tuple(loaded)
         )
 
     # -- sessions ------------------------------------------------------------------------------
