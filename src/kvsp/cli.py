@@ -55,6 +55,8 @@ controller_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(controller_app, name="controller")
+model_app = typer.Typer(help="The default model (SmolLM2-135M-Instruct).", no_args_is_help=True)
+app.add_typer(model_app, name="model")
 
 
 def _read_bytes(path: Path, what: str) -> bytes:
@@ -379,6 +381,19 @@ def controller_serve_command(
         log_level=log_level,
         access_log=False,
     )
+
+
+@model_app.command("install")
+def model_install_command(
+    home: Annotated[
+        Path | None, typer.Option("--home", help="models folder (default: $KVSP_HOME/models)")
+    ] = None,
+) -> None:
+    """Fetch and prepare the default model once; prints its folder and Compatibility ID."""
+    from kvsp.instance.model import install
+
+    files = install(home)
+    typer.echo(json.dumps({"folder": str(files.folder), "compat_id": files.compat_id.hex()}))
 
 
 def _fail(message: str) -> NoReturn:

