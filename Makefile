@@ -19,6 +19,7 @@ system-deps:
 		  apt-get install -y -qq redis-server curl >/dev/null; }
 
 setup: $(STAMP) system-deps
+	$(VENV)/bin/kvsp model install >/dev/null
 
 demo: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/core-walkthrough.sh

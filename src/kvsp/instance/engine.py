@@ -1,0 +1,132 @@
+"""The engine: SmolLM2 through HF transformers and torch on the CPU, with a KV cache that can
+leave and enter as KVB1 containers.
+
+A sequence's KV cache is a ``KvState``: the transformers cache plus the tokens it covers. Blocks
+of ``block_tokens`` tokens are exported as containers in kvsp-layout-1 (per layer, K then V,
+each ``[tokens, kv_heads, head_dim]`` float32 little-endian) and imported back into a state;
+the round trip is bit-exact, so an engine that imports another's blocks continues with logits
+identical to the exporter's own continuation. Calls are synchronous and not thread-safe: an
+adapter runs one engine on one worker thread so the event loop never waits on a forward pass.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from kvsp.core.container import Container, section_array
+from kvsp.core.problems import ContainerError
+from kvsp.core.records import Sampler
+from kvsp.instance.model import ModelFiles
+from kvsp.instance.sampling import next_token
+
+__all__ = ["Engine", "KvState"]
+
+
+@dataclass
+class KvState:
+    """The KV cache of one sequence and the tokens it covers."""
+
+    cache: DynamicCache = field(default_factory=DynamicCache)
+    tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class Engine:
+    def __init__(self, files: ModelFiles, threads: int | None = None) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.descriptor = files.descriptor
+        self.geometry = files.descriptor.geometry
+        self.block_tokens = files.descriptor.block_tokens
+        self.tokenizer = AutoTokenizer.from_pretrained(files.weights)
+        self.model = AutoModelForCausalLM.from_pretrained(files.weights, dtype=torch.float32)
+        self.model.eval()  # type: ignore[no-untyped-call]
+        eos = self.tokenizer.eos_token_id
+        self.stop_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    # -- forward passes ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, state: KvState, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
+        """Run ``tokens`` after what ``state`` covers (extending it); the logits of the last."""
+        if not tokens:
+            raise ValueError("forward needs at least one token")
+        ids = torch.tensor([list(tokens)], dtype=torch.long)
+        out = self.model(ids, past_key_values=state.cache, use_cache=True)
+        state.tokens.extend(tokens)
+        logits: npt.NDArray[np.float32] = out.logits[0, -1].float().numpy().copy()
+        return logits
+
+    def generate(
+        self,
+        state: KvState,
+        prompt_rest: Sequence[int],
+        sampler: Sampler,
+        max_new_tokens: int,
+        first_step: int = 0,
+    ) -> Iterator[int]:
+        """Tokens after ``state`` + ``prompt_rest``, one at a time; step numbers start at
+        ``first_step`` (a resumed session continues its count). Stops at end of sequence."""
+        if not prompt_rest:
+            raise ValueError("at least the last prompt token must be computed here")
+        logits = self.forward(state, prompt_rest)
+        for step in range(first_step, first_step + max_new_tokens):
+            token = next_token(logits, sampler, step)
+            yield token
+            if token in self.stop_ids:
+                return
+            logits = self.forward(state, [token])
+
+    # -- blocks ------------------------------------------------------------------------------
+
+    def export_block(self, state: KvState, index: int) -> Container:
+        """Block ``index`` of ``state`` (tokens ``index*B .. (index+1)*B``) as a container."""
+        lo, hi = index * self.block_tokens, (index + 1) * self.block_tokens
+        if hi > len(state):
+            raise ValueError(f"block {index} is not complete ({len(state)} tokens cached)")
+        sections = []
+        for layer in state.cache.layers:
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+                raise ValueError("the cache holds no attention keys and values")
+            k = keys[0, :, lo:hi, :].permute(1, 0, 2).contiguous().numpy()
+            v = values[0, :, lo:hi, :].permute(1, 0, 2).contiguous().numpy()
+            sections.append((k, v))
+        return Container.build(0, self.block_tokens, sections, geometry=self.geometry)
+
+    def state_from_blocks(self, blocks: Sequence[Container], tokens: Sequence[int]) -> KvState:
+        """A state covering ``tokens`` from the containers of its consecutive blocks."""
+        if len(tokens) != len(blocks) * self.block_tokens:
+            raise ValueError("tokens must be exactly the tokens of the blocks")
+        per_layer: list[tuple[list[npt.NDArray[np.generic]], list[npt.NDArray[np.generic]]]] = [
+            ([], []) for _ in range(self.geometry.layers)
+        ]
+        g = self.geometry
+        for block in blocks:
+            header = block.header
+            if header.first_layer != 0 or header.layer_count != g.layers:
+                raise ContainerError("an imported block must hold every layer")
+            if header.token_count != self.block_tokens:
+                raise ContainerError(f"an imported block must hold {self.block_tokens} tokens")
+            for layer in block.layers:
+                keys, values = per_layer[layer.layer]
+                keys.append(section_array(layer.k, g.element, g.kv_heads, g.head_dim))
+                values.append(section_array(layer.v, g.element, g.kv_heads, g.head_dim))
+        state = KvState(tokens=list(tokens))
+        for index, (keys, values) in enumerate(per_layer):
+            if not keys:
+                break
+            k = torch.from_numpy(np.concatenate(keys)).permute(1, 0, 2).unsqueeze(0)
+            v = torch.from_numpy(np.concatenate(values)).permute(1, 0, 2).unsqueeze(0)
+            state.cache.update(k.contiguous(), v.contiguous(), index)
+        return state
