@@ -53,6 +53,12 @@ STATE_MODULES = [
     PACKAGE / "holder" / "blocks.py",
     PACKAGE / "holder" / "store.py",
     PACKAGE / "holder" / "leases.py",
+    PACKAGE / "controller" / "instances.py",
+    PACKAGE / "controller" / "placement.py",
+    PACKAGE / "controller" / "sessions.py",
+    PACKAGE / "controller" / "reshard.py",
+    PACKAGE / "instance" / "kvpool.py",
+    PACKAGE / "instance" / "sampling.py",
 ]
 
 
