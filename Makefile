@@ -42,3 +42,4 @@ bench: bench-deps
 	$(PY) benchmarks/index_lookup.py
 	$(PY) benchmarks/holder_transfer.py
 	$(PY) benchmarks/placement.py
+	$(PY) benchmarks/engine_reuse.py
