@@ -110,7 +110,8 @@ async def test_placement_prefetch_and_failover_across_real_services(tmp_path: Pa
         (resume,) = stand_ins[1].of("resume")
         assert resume["session"] == SESSION
         assert resume["epoch"] == 1
-        assert resume["prompt_blocks"] == keys
+        assert resume["prompt_blocks"] == keys[:4]  # the last prompt token stays in the tail
+        assert resume["prompt_tail"] == TOKENS[64:]
         view = (await pc.get(f"sessions/{SESSION}")).json()
         assert (view["instance"], view["epoch"]) == (i2, 1)
     assert controller.log.count(b"Traceback") == 0

@@ -283,13 +283,10 @@ class ControllerService:
         authorize(principal, OPERATOR_ROLES)
         tenant = self.config.tenants.get(tenant_name)
         tenant.check_compat(compat_id)
-        chain = BlockKeyChain(
-            tenant.scope_key, parse_compat_id(compat_id), self.config.block_tokens
-        )
+        block_tokens = self.config.block_tokens
+        chain = BlockKeyChain(tenant.scope_key, parse_compat_id(compat_id), block_tokens)
         keys = tuple(k.hex() for k in chain.extend(list(tokens)))
-        request = PlacementRequest(
-            tenant.scope_id, compat_id, keys, len(tokens), self.config.block_tokens
-        )
+        request = PlacementRequest(tenant.scope_id, compat_id, keys, len(tokens), block_tokens)
         first = None
         if session is not None:
             first = SessionCheckpoint(
@@ -297,8 +294,10 @@ class ControllerService:
                 epoch=0,
                 compat_id=compat_id,
                 scope_id=tenant.scope_id,
-                prompt_blocks=keys,
-                prompt_tail=tuple(tokens[len(keys) * self.config.block_tokens :]),
+                # the last prompt token is always in the tail: a resumed instance must compute
+                # it to get the logits of the first output token
+                prompt_blocks=keys[: (len(tokens) - 1) // block_tokens],
+                prompt_tail=tuple(tokens[(len(tokens) - 1) // block_tokens * block_tokens :]),
                 generated=(),
                 output_offset=0,
                 sampler=sampler or Sampler(method="greedy", deterministic=True),

@@ -40,7 +40,7 @@ from kvsp.web.server import (
     read_json_body,
 )
 
-__all__ = ["create_app", "parse_block_query"]
+__all__ = ["block_routes", "create_app", "parse_block_query"]
 
 log = logging.getLogger("kvsp.holder")
 
@@ -79,10 +79,9 @@ def parse_block_query(query: bytes) -> tuple[int, int] | None:
     return int(match[1]), int(match[2])
 
 
-def create_app(
-    service: HolderService,
-    principals: Principals,
-) -> Starlette:
+def block_routes(service: HolderService, principals: Principals) -> list[Route]:
+    """The block and lease routes of a holder (an inference instance mounts them too)."""
+
     async def get_block(scope: Scope, receive: Receive, send: Send) -> None:
         block = _block_of(scope["path_params"])
         layers = parse_block_query(scope["query_string"])
@@ -140,6 +139,18 @@ def create_app(
         await service.release_lease(principal, request.path_params["lease"])
         return Response(status_code=204)
 
+    block = BASE + "blocks/{compat}/{scope}/{block_key}"
+    lease = BASE + "leases/{lease}"
+    return [
+        Route(block, AsgiEndpoint(get_block), methods=["GET"]),
+        Route(block, put_block, methods=["PUT"]),
+        Route(BASE + "leases", grant_lease, methods=["POST"]),
+        Route(lease, renew_lease, methods=["PUT"]),
+        Route(lease, release_lease, methods=["DELETE"]),
+    ]
+
+
+def create_app(service: HolderService, principals: Principals) -> Starlette:
     async def healthz(_: Request) -> Response:
         return json_response(b'{"status":"ok"}')
 
@@ -147,15 +158,9 @@ def create_app(
         await service.refresh_metrics()
         return Response(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
 
-    block = BASE + "blocks/{compat}/{scope}/{block_key}"
-    lease = BASE + "leases/{lease}"
     app = Starlette(
         routes=[
-            Route(block, AsgiEndpoint(get_block), methods=["GET"]),
-            Route(block, put_block, methods=["PUT"]),
-            Route(BASE + "leases", grant_lease, methods=["POST"]),
-            Route(lease, renew_lease, methods=["PUT"]),
-            Route(lease, release_lease, methods=["DELETE"]),
+            *block_routes(service, principals),
             Route(BASE + "healthz", healthz, methods=["GET"]),
             Route(BASE + "metrics", metrics, methods=["GET"]),
         ],
