@@ -55,6 +55,10 @@ controller_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(controller_app, name="controller")
+instance_app = typer.Typer(
+    help="An inference instance on the default model (also a holder).", no_args_is_help=True
+)
+app.add_typer(instance_app, name="instance")
 model_app = typer.Typer(help="The default model (SmolLM2-135M-Instruct).", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 
@@ -394,6 +398,58 @@ def model_install_command(
 
     files = install(home)
     typer.echo(json.dumps({"folder": str(files.folder), "compat_id": files.compat_id.hex()}))
+
+
+@instance_app.command("serve")
+def instance_serve_command(
+    url: Annotated[str, typer.Option("--url", help="this instance's base URL, as published")],
+    tenants: Annotated[Path, typer.Option("--tenants", help="tenants file (TOML, secret)")],
+    host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 9201,
+    controller: Annotated[str | None, typer.Option("--controller")] = None,
+    index: Annotated[str | None, typer.Option("--index")] = None,
+    token_file: Annotated[
+        Path | None, typer.Option("--token-file", help="this instance's bearer token")
+    ] = None,
+    offload: Annotated[
+        str | None, typer.Option("--offload", help="a holder that keeps a copy of every block")
+    ] = None,
+    auth: Annotated[Path | None, typer.Option("--auth", help="principals file (TOML)")] = None,
+    g1_sessions: Annotated[int, typer.Option("--g1-sessions", min=1)] = 8,
+    g2_bytes: Annotated[str, typer.Option("--g2-bytes")] = "1G",
+    block_tokens: Annotated[int, typer.Option("--block-tokens", min=1)] = 16,
+    status_ttl_ms: Annotated[int, typer.Option("--status-ttl-ms", min=300)] = 3_000,
+    threads: Annotated[int | None, typer.Option("--threads", min=1)] = None,
+    log_level: Annotated[str, typer.Option("--log-level")] = "info",
+) -> None:
+    """Run an inference instance on HOST:PORT under /kvsp/ (install the model first)."""
+    import uvicorn
+
+    from kvsp.controller.tenants import Tenants
+    from kvsp.instance.app import create_app
+    from kvsp.instance.service import InstanceConfig, InstanceService
+
+    config = InstanceConfig(
+        url=url,
+        tenants=Tenants.load(tenants),
+        g2_bytes=parse_octets(g2_bytes),
+        g1_sessions=g1_sessions,
+        block_tokens=block_tokens,
+        controller_url=controller,
+        index_url=index,
+        token=_read_token(token_file),
+        offload_url=offload,
+        status_ttl_ms=status_ttl_ms,
+        threads=threads,
+    )
+    principals = _principals(auth, host)
+    uvicorn.run(
+        create_app(InstanceService(config), principals),
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+    )
 
 
 def _fail(message: str) -> NoReturn:

@@ -239,6 +239,11 @@ class HolderService:
     async def put_block(self, principal: Principal, block: BlockId, body: bytes) -> ReplicaRecord:
         """Store a container received for ``block``: validated, digests computed here."""
         authorize(principal, BLOCK_ROLES, scope=block[1])
+        return await self.store_block(block, body)
+
+    async def store_block(self, block: BlockId, body: bytes) -> ReplicaRecord:
+        """Store a whole block's container octets (the holder's own blocks: no caller to
+        authorize); ``AlreadyStored`` if it is held."""
 
         def put() -> ReplicaRecord:
             if block in self.store:  # before hashing megabytes for nothing
@@ -250,6 +255,17 @@ class HolderService:
             return record
 
         return await self._run(put)
+
+    async def read_block(self, block: BlockId) -> Container | None:
+        """A held block as a container (every layer), or None; counts as a use."""
+
+        def read() -> Container | None:
+            if block not in self.store:
+                return None
+            found = self.store.get(block)
+            return Container.parse(b"".join([found.header.encode(), *found.parts]))
+
+        return await self._run(read)
 
     async def get_block(
         self, principal: Principal, block: BlockId, layers: tuple[int, int] | None

@@ -1,0 +1,164 @@
+"""The inference instance's HTTP adapter: generation and sessions, prefetch, lifecycle, and the
+holder routes over its own blocks (docs/api.md)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import Field, StrictInt, StrictStr
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from kvsp.auth import Principals
+from kvsp.core.records import (
+    PrefetchDirective,
+    Record,
+    Sampler,
+    SessionCheckpoint,
+    StateChange,
+    TokenId,
+    Uuid,
+)
+from kvsp.holder.app import block_routes
+from kvsp.instance.service import InstanceService, TokenEvent
+from kvsp.web.server import (
+    install_problem_handlers,
+    json_response,
+    lifespan_of,
+    principal_of,
+    read_json_body,
+)
+
+__all__ = ["GenerateRequest", "create_app"]
+
+log = logging.getLogger("kvsp.instance")
+_BODY_OCTETS = 8 << 20
+NDJSON = "application/x-ndjson"
+
+
+class GenerateRequest(Record):
+    tenant: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+    tokens: Annotated[tuple[TokenId, ...], Field(min_length=1, max_length=1 << 17)]
+    sampler: Sampler = Sampler(method="greedy", deterministic=True)
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=1 << 16)] | None = None
+    session: Uuid | None = None
+    epoch: Annotated[StrictInt, Field(ge=0)] = 0
+
+
+def _lines(events: AsyncIterator[TokenEvent | dict[str, object]]) -> AsyncIterator[bytes]:
+    async def out() -> AsyncIterator[bytes]:
+        async for event in events:
+            if isinstance(event, TokenEvent):
+                doc: dict[str, object] = {
+                    "index": event.index,
+                    "epoch": event.epoch,
+                    "token": event.token,
+                }
+            else:
+                doc = event
+            yield json.dumps(doc).encode() + b"\n"
+
+    return out()
+
+
+def create_app(service: InstanceService, principals: Principals) -> Starlette:
+    base = "/kvsp/"
+
+    async def body(request: Request) -> bytes:
+        return await read_json_body(request, _BODY_OCTETS)
+
+    async def generate(request: Request) -> Response:
+        principal = principal_of(request, principals)
+        parsed = GenerateRequest.parse(await body(request))
+        session = await service.generate(
+            principal,
+            parsed.tenant,
+            parsed.tokens,
+            parsed.sampler,
+            parsed.max_tokens,
+            parsed.session,
+            parsed.epoch,
+        )
+        headers = {"x-session-id": session.session}
+        return StreamingResponse(
+            _lines(service.stream(session.session)), media_type=NDJSON, headers=headers
+        )
+
+    async def tokens(request: Request) -> Response:
+        principal_of(request, principals)
+        start = request.query_params.get("from", "0")
+        first = int(start) if start.isdigit() else 0
+        events = service.stream(request.path_params["session"], first)
+        return StreamingResponse(_lines(events), media_type=NDJSON)
+
+    async def resume(request: Request) -> Response:
+        principal = principal_of(request, principals)
+        raw = await body(request)
+        checkpoint = SessionCheckpoint.parse(raw)
+        extra = json.loads(raw)
+        limit = extra.get("max_tokens") if isinstance(extra, dict) else None
+        session = await service.resume(
+            principal, checkpoint, limit if isinstance(limit, int) and limit > 0 else None
+        )
+        return json_response(
+            json.dumps(
+                {
+                    "session": session.session,
+                    "epoch": session.epoch,
+                    "cached_tokens": session.cached_tokens,
+                }
+            ).encode()
+        )
+
+    async def prefetch(request: Request) -> Response:
+        principal = principal_of(request, principals)
+        directive = PrefetchDirective.parse(await body(request))
+        await service.prefetch(principal, directive)
+        response = json_response(b'{"accepted":true}', 202)
+        response.headers["location"] = f"{base}prefetch/{directive.directive}"
+        return response
+
+    async def prefetch_status(request: Request) -> Response:
+        principal_of(request, principals)
+        status = service.prefetch_status(request.path_params["directive"])
+        return json_response(status.model_dump_json().encode())
+
+    async def state(request: Request) -> Response:
+        principal = principal_of(request, principals)
+        change = StateChange.parse(await body(request))
+        now = service.set_state(principal, change.state)
+        return json_response(json.dumps({"state": now.value}).encode())
+
+    async def healthz(_: Request) -> Response:
+        return json_response(
+            json.dumps(
+                {"status": "ok", "state": service.state.value, "epoch": service.epoch}
+            ).encode()
+        )
+
+    async def metrics(_: Request) -> Response:
+        await service.holder.refresh_metrics()
+        return Response(generate_latest(service.holder.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app = Starlette(
+        routes=[
+            *block_routes(service.holder, principals),
+            Route(base + "generate", generate, methods=["POST"]),
+            Route(base + "sessions/{session}/tokens", tokens, methods=["GET"]),
+            Route(base + "sessions/{session}/resume", resume, methods=["POST"]),
+            Route(base + "prefetch", prefetch, methods=["POST"]),
+            Route(base + "prefetch/{directive}", prefetch_status, methods=["GET"]),
+            Route(base + "state", state, methods=["PUT"]),
+            Route(base + "healthz", healthz, methods=["GET"]),
+            Route(base + "metrics", metrics, methods=["GET"]),
+        ],
+        lifespan=lifespan_of(service.start, service.close),
+    )
+    install_problem_handlers(app, log, lambda slug: service.holder.rejected.labels(slug).inc())
+    return app

@@ -1,0 +1,636 @@
+"""The inference instance: the engine serving sessions, its KV cache speaking KVSP.
+
+- **Reuse.** A request's prompt is cut into Block Keys with its tenant's scope key. The longest
+  prefix comes from the session's own working state (G1, a later turn), else from blocks held here
+  (G2, the embedded holder), else from remote holders found through the Index Service (fetched
+  with every digest verified, and then held here too). Only the rest is computed; the last prompt
+  token always is, for the logits of the first output token.
+- **Holder role.** Every completed block, of the prompt or of the output, is exported as a KVB1
+  container into the embedded holder (which publishes it, serves it, honours leases and withdraws
+  before evicting) and, with ``offload_url``, copied to a standalone holder so that it survives
+  this process.
+- **Sessions (KVSP 6.8).** Output tokens carry their index and the session epoch. A checkpoint
+  goes to the controller when a block of output completes and at least every 64 tokens; with a
+  sampler that is not deterministic, tokens are released only up to the offset the controller has
+  acknowledged, checkpointing every ``release_batch`` tokens to bound the delay. A resume loads
+  the checkpoint's blocks, recomputes what they do not cover, restores the sampler's step and
+  continues with the new epoch.
+- **Prefetch (6.5)**, **status and lifecycle (6.3)**: see ``prefetch`` and ``_status_loop``.
+
+The engine runs on one worker thread; the event loop only moves messages, so HTTP, status and
+prefetch go on while a forward pass runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvsp.auth import Principal, Role, authorize
+from kvsp.controller.tenants import Tenant, Tenants
+from kvsp.core.container import Container
+from kvsp.core.ids import parse_block_key, parse_compat_id
+from kvsp.core.keys import BlockKeyChain
+from kvsp.core.problems import (
+    AlreadyStored,
+    IllegalTransition,
+    KvspError,
+    NotFound,
+    ServiceUnavailable,
+)
+from kvsp.core.records import (
+    InstanceState,
+    InstanceStatusRecord,
+    LeaseRequest,
+    LookupRequest,
+    PrefetchDirective,
+    PrefetchState,
+    PrefetchStatus,
+    ReplicaRecord,
+    Sampler,
+    SessionCheckpoint,
+)
+from kvsp.core.urls import canonical_url
+from kvsp.holder.client import HolderClient
+from kvsp.holder.service import HolderConfig, HolderService
+from kvsp.index.client import IndexClient
+from kvsp.instance.engine import Engine, KvState
+from kvsp.instance.model import ModelFiles, installed
+from kvsp.instance.sampling import next_token
+from kvsp.tasks import cancel_all
+from kvsp.web.client import JsonClient
+
+__all__ = ["InstanceConfig", "InstanceService", "TokenEvent"]
+
+log = logging.getLogger("kvsp.instance")
+_UNKNOWN = -1  # the id of a prompt token whose KV was imported from a block
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    url: str
+    tenants: Tenants
+    g2_bytes: int = 1 << 30
+    #: session working states kept in engine memory
+    g1_sessions: int = 8
+    block_tokens: int = 16
+    controller_url: str | None = None
+    index_url: str | None = None
+    #: this instance's bearer token for the controller, the IS and other holders
+    token: str | None = None
+    offload_url: str | None = None
+    status_ttl_ms: int = 3_000
+    release_batch: int = 4
+    checkpoint_every: int = 64
+    max_tokens: int = 256
+    model_home: Path | None = None
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    index: int
+    epoch: int
+    token: int
+
+
+class _ControllerClient(JsonClient):
+    peer = "controller"
+
+    async def put_status(self, status: InstanceStatusRecord) -> InstanceState:
+        body = status.model_dump_json(exclude_none=True).encode()
+        return InstanceState((await self._send("PUT", "status", body)).json()["state"])
+
+    async def checkpoint(self, checkpoint: SessionCheckpoint) -> int:
+        path = f"sessions/{checkpoint.session}/checkpoint"
+        response = await self._send("PUT", path, checkpoint.model_dump_json().encode())
+        return int(response.json()["acknowledged"])
+
+
+@dataclass
+class _Session:
+    session: str
+    tenant: Tenant
+    epoch: int
+    sampler: Sampler
+    max_tokens: int
+    prompt_blocks: tuple[str, ...]
+    prompt_tail: tuple[int, ...]
+    #: keys of the blocks after the prompt blocks (tail + output), extended as tokens come
+    chain: BlockKeyChain
+    generated: list[int] = field(default_factory=list)
+    released: int = 0
+    acknowledged: int = 0
+    cached_tokens: int = 0
+    done: bool = False
+    error: str | None = None
+    state: KvState | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def key_of(self, index: int) -> str | None:
+        if index < len(self.prompt_blocks):
+            return self.prompt_blocks[index]
+        keys = self.chain.keys
+        offset = index - len(self.prompt_blocks)
+        return keys[offset].hex() if offset < len(keys) else None
+
+    def checkpoint(self, compat_id: str) -> SessionCheckpoint:
+        n = len(self.generated)
+        return SessionCheckpoint(
+            session=self.session,
+            epoch=self.epoch,
+            compat_id=compat_id,
+            scope_id=self.tenant.scope_id,
+            prompt_blocks=self.prompt_blocks,
+            prompt_tail=self.prompt_tail,
+            generated=tuple(self.generated),
+            output_offset=n,
+            sampler=self.sampler.model_copy(update={"step": n}),
+        )
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+class InstanceService:
+    def __init__(self, config: InstanceConfig, files: ModelFiles | None = None) -> None:
+        self.config = config
+        self.url = canonical_url(config.url)
+        self.files = files or installed(config.model_home, config.block_tokens)
+        self.engine = Engine(self.files, config.threads)
+        self.compat_id = self.files.compat_id.hex()
+        self.epoch = int(time.time() * 1000)
+        self.state = InstanceState.ACTIVE
+        self.holder = HolderService(
+            HolderConfig(
+                url=config.url,
+                host_bytes=config.g2_bytes,
+                index_url=config.index_url,
+                index_token=config.token,
+            )
+        )
+        self.index = (
+            None if config.index_url is None else IndexClient(config.index_url, config.token)
+        )
+        self.controller = (
+            None
+            if config.controller_url is None
+            else _ControllerClient(config.controller_url, config.token)
+        )
+        self.peers = HolderClient(config.token)
+        self.sessions: OrderedDict[str, _Session] = OrderedDict()
+        self.prefetches: dict[str, PrefetchStatus] = {}
+        #: measured transfer rate (Mbit/s) and round trip (us) per holder fetched from
+        self.links: dict[str, tuple[float, float]] = {}
+        self.prefill_rate = 400.0
+        self.decode_rate = 15.0
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvsp-engine")
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.holder.start()
+        self._spawn(self._status_loop())
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in the background; finished tasks let go of themselves."""
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        await cancel_all(list(self._tasks))
+        await self.peers.aclose()
+        for client in (self.index, self.controller):
+            if client is not None:
+                await client.aclose()
+        await self.holder.close()
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    def running(self) -> int:
+        return sum(1 for s in self.sessions.values() if not s.done)
+
+    def status(self) -> InstanceStatusRecord:
+        g1 = sum(1 for s in self.sessions.values() if s.state is not None)
+        links = [
+            {"holder": holder, "mbit_per_s": rate, "rtt_us": rtt}
+            for holder, (rate, rtt) in self.links.items()
+        ]
+        return InstanceStatusRecord.model_validate(
+            {
+                "instance": self.url,
+                "epoch": self.epoch,
+                "state": self.state,
+                "running": self.running(),
+                "queued": 0,
+                "batch_size": 1,
+                "kv_utilization": min(1.0, g1 / self.config.g1_sessions),
+                "prefill_tokens_per_s": self.prefill_rate,
+                "decode_tokens_per_s": self.decode_rate,
+                "links": links,
+                "ttl_ms": self.config.status_ttl_ms,
+            }
+        )
+
+    async def _status_loop(self) -> None:
+        period = self.config.status_ttl_ms / 3000
+        while True:
+            if self.state is InstanceState.DRAINING and self.running() == 0:
+                self.state = InstanceState.SLEEPING
+            if self.controller is not None:
+                try:
+                    answer = await self.controller.put_status(self.status())
+                    if answer is InstanceState.DRAINING and self.state is InstanceState.ACTIVE:
+                        self.state = InstanceState.DRAINING
+                except KvspError as exc:
+                    log.warning("status not delivered: %s", exc.detail)
+            await asyncio.sleep(period)
+
+    def set_state(self, principal: Principal, state: InstanceState) -> InstanceState:
+        authorize(principal, Role.CONTROLLER)
+        if state is InstanceState.ACTIVE:
+            self.state = state
+        elif state is InstanceState.DRAINING:
+            self.state = state if self.running() else InstanceState.SLEEPING
+        else:
+            raise IllegalTransition("the controller can make an instance active or draining")
+        return self.state
+
+    # -- blocks --------------------------------------------------------------------------------
+
+    async def _store(self, session: _Session, index: int, body: bytes) -> None:
+        """Hold a completed block here (published by the holder) and copy it to the offload
+        holder."""
+        key = session.key_of(index)
+        if key is None:
+            return
+        block = (self.compat_id, session.tenant.scope_id, key)
+        with contextlib.suppress(AlreadyStored):
+            await self.holder.store_block(block, body)
+        if self.config.offload_url is not None:
+            try:
+                await self.peers.put(self.config.offload_url, block, Container.parse(body))
+            except AlreadyStored:
+                pass
+            except KvspError as exc:
+                log.warning("offload of %s failed: %s", key[:16], exc.detail)
+
+    async def _fetch(self, record: ReplicaRecord) -> Container:
+        start = time.perf_counter()
+        container = await self.peers.get(record)
+        seconds = max(time.perf_counter() - start, 1e-6)
+        holder = canonical_url(record.holder)
+        rate = 8 * container.size / seconds / 1e6
+        old = self.links.get(holder)
+        rtt = 200.0 if old is None else old[1]
+        self.links[holder] = (rate if old is None else 0.7 * old[0] + 0.3 * rate, rtt)
+        return container
+
+    async def _load(self, tenant: Tenant, keys: Sequence[str]) -> list[Container]:
+        """The longest prefix of ``keys`` held here or, through the IS, elsewhere."""
+        out: list[Container] = []
+        for key in keys:
+            found = await self.holder.read_block((self.compat_id, tenant.scope_id, key))
+            if found is None:
+                break
+            out.append(found)
+        rest = list(keys[len(out) :])
+        if not rest or self.index is None:
+            return out
+        try:
+            answer = await self.index.lookup(
+                LookupRequest(
+                    scope_id=tenant.scope_id, compat_id=self.compat_id, block_keys=tuple(rest)
+                )
+            )
+        except KvspError as exc:
+            log.warning("index lookup failed: %s", exc.detail)
+            return out
+        limit = asyncio.Semaphore(8)
+
+        async def one(records: Sequence[ReplicaRecord]) -> Container | None:
+            for record in records:
+                if canonical_url(record.holder) == self.url:
+                    continue
+                try:
+                    async with limit:
+                        return await self._fetch(record)
+                except KvspError as exc:
+                    log.info("block from %s not loaded: %s", record.holder, exc.detail)
+            return None
+
+        fetched = await asyncio.gather(*(one(records) for records in answer.replicas))
+        for key, container in zip(rest, fetched, strict=False):
+            if container is None:
+                break
+            out.append(container)
+            with contextlib.suppress(AlreadyStored):
+                await self.holder.store_block(
+                    (self.compat_id, tenant.scope_id, key), container.tobytes()
+                )
+        return out
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def _admit(self, session: _Session) -> None:
+        self.sessions[session.session] = session
+        self.sessions.move_to_end(session.session)
+        working = [s for s in self.sessions.values() if s.state is not None and s.done]
+        while len(working) >= self.config.g1_sessions:  # G1 full: the oldest idle state goes
+            working.pop(0).state = None
+
+    async def generate(
+        self,
+        principal: Principal,
+        tenant_name: str,
+        tokens: Sequence[int],
+        sampler: Sampler,
+        max_tokens: int | None,
+        session_id: str | None = None,
+        epoch: int = 0,
+    ) -> _Session:
+        """Start generating for a prompt; read the tokens with ``stream``."""
+        authorize(principal, (Role.CONTROLLER, Role.CLIENT))
+        if self.state is not InstanceState.ACTIVE:
+            raise ServiceUnavailable(f"instance is {self.state}; it accepts no new sessions")
+        if not tokens:
+            raise NotFound("a prompt needs at least one token")
+        tenant = self.config.tenants.get(tenant_name)
+        b = self.engine.block_tokens
+        cut = (len(tokens) - 1) // b
+        compat = parse_compat_id(self.compat_id)
+        all_keys = [k.hex() for k in BlockKeyChain(tenant.scope_key, compat, b).extend(tokens)]
+        prompt_blocks = tuple(all_keys[:cut])
+        parent = parse_block_key(prompt_blocks[-1]) if prompt_blocks else None
+        chain = (
+            BlockKeyChain(tenant.scope_key, compat, b, parent)
+            if parent is not None
+            else BlockKeyChain(tenant.scope_key, compat, b)
+        )
+        tail = tuple(tokens[cut * b :])
+        chain.extend(list(tail))
+        session = _Session(
+            session_id or str(uuid.uuid4()),
+            tenant,
+            epoch,
+            sampler,
+            min(max_tokens or self.config.max_tokens, self.config.max_tokens),
+            prompt_blocks,
+            tail,
+            chain,
+        )
+        previous = self.sessions.get(session.session)
+        state = None
+        if previous is not None and previous.state is not None and previous.done:
+            known = previous.state.tokens
+            if len(known) <= len(tokens) - 1 and list(tokens[: len(known)]) == known:
+                state = previous.state  # G1: the session's own working state
+        if state is None:
+            blocks = await self._load(tenant, prompt_blocks)
+            state = (
+                self.engine.state_from_blocks(blocks, tokens[: len(blocks) * b])
+                if blocks
+                else KvState()
+            )
+        session.cached_tokens = len(state)
+        session.state = state
+        self._admit(session)
+        rest = list(tokens[len(state) :])
+        self._spawn(self._run(session, state, rest, 0))
+        return session
+
+    async def resume(
+        self, principal: Principal, checkpoint: SessionCheckpoint, max_tokens: int | None
+    ) -> _Session:
+        """Continue a session another instance served, from its latest checkpoint (6.8)."""
+        authorize(principal, Role.CONTROLLER)
+        tenant = next((t for t in self.config.tenants if t.scope_id == checkpoint.scope_id), None)
+        if tenant is None:
+            raise NotFound(f"no tenant has scope {checkpoint.scope_id}")
+        b = self.engine.block_tokens
+        compat = parse_compat_id(self.compat_id)
+        parent = parse_block_key(checkpoint.prompt_blocks[-1]) if checkpoint.prompt_blocks else None
+        chain = (
+            BlockKeyChain(tenant.scope_key, compat, b, parent)
+            if parent is not None
+            else BlockKeyChain(tenant.scope_key, compat, b)
+        )
+        known = list(checkpoint.prompt_tail) + list(checkpoint.generated)
+        chain.extend(known)
+        session = _Session(
+            checkpoint.session,
+            tenant,
+            checkpoint.epoch,
+            checkpoint.sampler,
+            max_tokens or self.config.max_tokens,
+            checkpoint.prompt_blocks,
+            checkpoint.prompt_tail,
+            chain,
+            generated=list(checkpoint.generated),
+            released=checkpoint.output_offset,
+            acknowledged=checkpoint.output_offset,
+        )
+        # every block key whose tokens are all known, except the block holding the last token
+        keys = list(checkpoint.prompt_blocks) + [k.hex() for k in chain.keys]
+        covered_max = (len(checkpoint.prompt_blocks) * b + len(known) - 1) // b
+        blocks = await self._load(tenant, keys[:covered_max])
+        if len(blocks) < len(checkpoint.prompt_blocks):
+            raise NotFound("the checkpoint's prompt blocks are not held anywhere reachable")
+        ids = [_UNKNOWN] * (len(checkpoint.prompt_blocks) * b) + known
+        state = self.engine.state_from_blocks(blocks, ids[: len(blocks) * b])
+        session.cached_tokens = len(state)
+        session.state = state
+        self._admit(session)
+        rest = ids[len(state) :]
+        remaining = max(0, session.max_tokens - len(session.generated))
+        session.max_tokens = len(session.generated) + remaining
+        self._spawn(self._run(session, state, rest, len(session.generated)))
+        return session
+
+    async def _run(
+        self, session: _Session, state: KvState, rest: list[int], first_step: int
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        engine = self.engine
+        b = engine.block_tokens
+        exported = len(state) // b  # blocks already held (imported)
+
+        def emit(kind: str, value: Any) -> None:
+            loop.call_soon_threadsafe(self._on_event, session, kind, value)
+
+        def work() -> None:
+            nonlocal exported
+            started = time.perf_counter()
+            logits = engine.forward(state, rest)
+            if len(rest) > 1:
+                self.prefill_rate = len(rest) / max(time.perf_counter() - started, 1e-6)
+            for step in range(first_step, session.max_tokens):
+                while exported < len(state) // b:
+                    emit("block", (exported, engine.export_block(state, exported).tobytes()))
+                    exported += 1
+                token = next_token(logits, session.sampler, step)
+                emit("token", token)
+                if token in engine.stop_ids or step + 1 >= session.max_tokens:
+                    break
+                started = time.perf_counter()
+                logits = engine.forward(state, [token])
+                self.decode_rate = 1 / max(time.perf_counter() - started, 1e-6)
+
+        try:
+            await loop.run_in_executor(self._worker, work)
+        except Exception as exc:  # the session ends with the error; the service goes on
+            log.exception("session %s failed", session.session)
+            session.error = repr(exc)
+        await asyncio.sleep(0)  # let the last events land
+        session.done = True
+        await self._checkpoint(session, final=True)
+        session.notify()
+
+    def _on_event(self, session: _Session, kind: str, value: Any) -> None:
+        if kind == "block":
+            index, body = value
+            self._spawn(self._store(session, index, body))
+            self._spawn(self._checkpoint(session))
+            return
+        session.generated.append(value)
+        session.chain.extend([value])
+        n = len(session.generated)
+        if self.controller is None or session.sampler.deterministic:
+            session.released = n
+            if n % self.config.checkpoint_every == 0:
+                self._spawn(self._checkpoint(session))
+        elif n - session.acknowledged >= self.config.release_batch:
+            self._spawn(self._checkpoint(session))
+        session.notify()
+
+    async def _checkpoint(self, session: _Session, final: bool = False) -> None:
+        if self.controller is None:
+            session.released = len(session.generated)
+            return
+        try:
+            acknowledged = await self.controller.checkpoint(session.checkpoint(self.compat_id))
+        except KvspError as exc:
+            log.warning("checkpoint of %s: %s", session.session, exc.detail)
+            return
+        session.acknowledged = max(session.acknowledged, acknowledged)
+        if not session.sampler.deterministic:
+            session.released = max(
+                session.released, min(session.acknowledged, len(session.generated))
+            )
+        if final:
+            session.released = max(session.released, session.acknowledged)
+        session.notify()
+
+    async def stream(
+        self, session_id: str, start: int = 0
+    ) -> AsyncIterator[TokenEvent | dict[str, Any]]:
+        """Released tokens from index ``start`` as they come, then a summary."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"no session {session_id} here")
+        index = start
+        while True:
+            changed = session.changed
+            while index < session.released:
+                yield TokenEvent(index, session.epoch, session.generated[index])
+                index += 1
+            if session.done and index >= session.released:
+                yield {
+                    "done": True,
+                    "epoch": session.epoch,
+                    "cached_tokens": session.cached_tokens,
+                    "generated": len(session.generated),
+                    "error": session.error,
+                }
+                return
+            await changed.wait()
+
+    # -- prefetch (6.5) ------------------------------------------------------------------------
+
+    async def prefetch(self, principal: Principal, directive: PrefetchDirective) -> None:
+        authorize(principal, Role.CONTROLLER)
+        if self.state is not InstanceState.ACTIVE:
+            raise ServiceUnavailable("prefetch goes to active instances only")
+        self.prefetches[directive.directive] = PrefetchStatus(
+            directive=directive.directive, state=PrefetchState.PENDING
+        )
+        self._spawn(self._prefetch(directive))
+
+    async def _prefetch(self, directive: PrefetchDirective) -> None:
+        loaded: list[str] = []
+        deadline = time.monotonic() + directive.deadline_ms / 1000
+
+        async def load() -> None:
+            wanted = list(directive.blocks)
+            records: dict[str, list[ReplicaRecord]] = {}
+            if self.index is not None:
+                answer = await self.index.lookup(
+                    LookupRequest(
+                        scope_id=directive.scope_id,
+                        compat_id=directive.compat_id,
+                        block_keys=tuple(b.block_key for b in wanted),
+                    )
+                )
+                for block, found in zip(wanted, answer.replicas, strict=False):
+                    records[block.block_key] = list(found)
+            for block in wanted:
+                key = (directive.compat_id, directive.scope_id, block.block_key)
+                if await self.holder.read_block(key) is not None:
+                    loaded.append(block.block_key)
+                    continue
+                sources = {canonical_url(s) for s in block.sources}
+                for record in records.get(block.block_key, []):
+                    holder = canonical_url(record.holder)
+                    if holder not in sources:
+                        continue
+                    lease = await self.peers.lease(
+                        holder,
+                        LeaseRequest(
+                            compat_id=directive.compat_id,
+                            scope_id=directive.scope_id,
+                            block_keys=(block.block_key,),
+                            ttl_ms=directive.lease_ms,
+                        ),
+                    )
+                    try:
+                        container = await self._fetch(record)
+                    finally:
+                        with contextlib.suppress(KvspError):
+                            await self.peers.release(holder, lease.lease)
+                    with contextlib.suppress(AlreadyStored):
+                        await self.holder.store_block(key, container.tobytes())
+                    loaded.append(block.block_key)
+                    break
+                else:
+                    return  # chained keys: nothing after a block we cannot load is usable
+
+        state = PrefetchState.COMPLETE
+        try:
+            await asyncio.wait_for(load(), timeout=max(0.0, deadline - time.monotonic()))
+            if len(loaded) < len(directive.blocks):
+                state = PrefetchState.PARTIAL if loaded else PrefetchState.FAILED
+        except TimeoutError:
+            state = PrefetchState.PARTIAL if loaded else PrefetchState.FAILED
+        except KvspError as exc:
+            log.warning("prefetch %s: %s", directive.directive, exc.detail)
+            state = PrefetchState.PARTIAL if loaded else PrefetchState.FAILED
+        self.prefetches[directive.directive] = PrefetchStatus(
+            directive=directive.directive, state=state, loaded=tuple(loaded)
+        )
+
+    def prefetch_status(self, directive: str) -> PrefetchStatus:
+        found = self.prefetches.get(directive)
+        if found is None:
+            raise NotFound(f"no directive {directive}")
+        return found
