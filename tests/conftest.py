@@ -43,3 +43,18 @@ def redis_url() -> Iterator[str]:
         yield server.url
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def model_files() -> Any:
+    """The real model (``kvsp model install`` prepares it; the README's test command runs it)."""
+    from kvsp.instance.model import install
+
+    return install()
+
+
+@pytest.fixture(scope="session")
+def engine(model_files: Any) -> Any:
+    from kvsp.instance.engine import Engine
+
+    return Engine(model_files)

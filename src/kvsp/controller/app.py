@@ -51,6 +51,7 @@ class PlaceRequest(Record):
     sampler: Sampler | None = None
     request_ref: Annotated[StrictStr, Field(max_length=256)] | None = None
     wait_prefetch: StrictBool = False
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=1 << 16)] | None = None
 
 
 class TtftReport(Record):
@@ -121,6 +122,7 @@ def create_app(service: ControllerService, principals: Principals) -> Starlette:
             parsed.sampler,
             parsed.request_ref,
             parsed.wait_prefetch,
+            parsed.max_tokens,
         )
         return _json(placement.to_json())
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from urllib.parse import urljoin
 
 import httpx
@@ -49,10 +50,16 @@ class InstanceClient(JsonClient):
     async def prefetch_status(self, location: str) -> PrefetchStatus:
         return PrefetchStatus.parse((await self._send("GET", location)).content)
 
-    async def resume(self, instance: str, checkpoint: SessionCheckpoint) -> None:
+    async def resume(
+        self, instance: str, checkpoint: SessionCheckpoint, max_tokens: int | None = None
+    ) -> None:
+        """The latest checkpoint, carrying the new epoch; ``max_tokens`` (an extension member)
+        is the request's output limit."""
         path = f"sessions/{checkpoint.session}/resume"
-        body = checkpoint.model_dump_json().encode()
-        await self._send("POST", canonical_url(instance) + path, body)
+        doc = checkpoint.to_json()
+        if max_tokens is not None:
+            doc["max_tokens"] = max_tokens
+        await self._send("POST", canonical_url(instance) + path, json.dumps(doc).encode())
 
     async def reshard(
         self,

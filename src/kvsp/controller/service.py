@@ -277,6 +277,7 @@ class ControllerService:
         sampler: Sampler | None = None,
         request_ref: str | None = None,
         wait_prefetch: bool = False,
+        max_tokens: int | None = None,
     ) -> Placement:
         """Choose an instance for a prompt of ``tokens``; wake or launch one when needed, and
         prefetch its cached prefix where that pays."""
@@ -332,7 +333,7 @@ class ControllerService:
         if directive is not None and policy.prefetch and pays:
             placement = await self._prefetch(placement, decision.instance, directive, wait_prefetch)
         if first is not None:
-            entry = self.sessions.open(first, decision.instance)
+            entry = self.sessions.open(first, decision.instance, max_tokens)
             placement = dataclasses.replace(placement, session_epoch=entry.epoch)
         return placement
 
@@ -430,7 +431,7 @@ class ControllerService:
             return
         resumed = entry.checkpoint.model_copy(update={"epoch": entry.epoch + 1})
         try:
-            await self.peers.resume(decision.instance, resumed)
+            await self.peers.resume(decision.instance, resumed, entry.max_tokens)
         except KvspError as exc:
             log.error("session %s: resume at %s failed: %s", session, decision.instance, exc)
             self.failovers.labels("failed").inc()

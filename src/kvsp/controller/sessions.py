@@ -42,6 +42,8 @@ class Session:
     checkpoint: SessionCheckpoint
     acknowledged: int = 0
     failovers: int = 0
+    #: the request's output limit, passed on to a resumed instance (None: the instance's own)
+    max_tokens: int | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -78,13 +80,16 @@ class SessionTable:
         self._sessions.move_to_end(session)
         return found
 
-    def open(self, first: SessionCheckpoint, instance: str) -> Session:
+    def open(
+        self, first: SessionCheckpoint, instance: str, max_tokens: int | None = None
+    ) -> Session:
         """Place a session (or its next turn) at ``instance``; the epoch stays."""
         known = self._sessions.get(first.session)
         if known is not None:
             if (known.scope_id, known.compat_id) != (first.scope_id, first.compat_id):
                 raise Forbidden("a session keeps its scope and compatibility")
             known.instance = canonical_url(instance)
+            known.max_tokens = max_tokens
             if first.output_offset >= known.checkpoint.output_offset:
                 known.checkpoint = first.model_copy(update={"epoch": known.epoch})
             self._sessions.move_to_end(first.session)
@@ -97,6 +102,7 @@ class SessionTable:
             first.epoch,
             first,
             first.output_offset,
+            max_tokens=max_tokens,
         )
         self._sessions[first.session] = entry
         while len(self._sessions) > self.max_sessions:

@@ -1,0 +1,222 @@
+"""Inference instances as real processes on the real model, with a real Index Service, a holder
+that keeps a copy of every block, and (for failover) a real controller.
+
+- a cached prefix, from G2 here or fetched from another instance, gives exactly the tokens of a
+  full recompute;
+- a prefetch whose deadline passes reports partial, and the request is still correct;
+- an instance SIGKILLed mid-generation: the controller resumes the session elsewhere with a new
+  epoch, every index is delivered once, and the output equals an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvsp.core.ids import parse_compat_id
+from kvsp.core.keys import block_keys, scope_id
+from kvsp.core.records import Sampler
+from kvsp.instance.engine import Engine, KvState
+from kvsp.instance.model import ModelFiles
+from tests.servers import Service, free_port, running
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+SCOPE_KEY = "55" * 32
+#: 50 tokens of a story ("Once upon a time, in a small village by the sea, ..."): 3 whole blocks;
+#: the model goes on for more than 40 tokens without an end of sequence
+PROMPT = [6403, 1980, 253, 655, 28, 281, 253, 1165, 6560, 411, 260, 3426, 28, 665, 4161, 354,
+          1573, 43663, 3365, 8581, 30, 5081, 5738, 384, 13197, 1187, 288, 260, 28899, 28, 12775,
+          650, 20958, 284, 12816, 288, 260, 310, 32942, 30, 1963, 1194, 28, 253, 22483, 6612, 281,
+          260, 6560, 351]  # fmt: skip
+
+
+class Cluster:
+    def __init__(self, tmp: Path, compat: str, controller: bool = False) -> None:
+        tenants = tmp / "tenants.toml"
+        tenants.write_text(
+            f'[tenants.acme]\nscope_key = "{SCOPE_KEY}"\ncompat_ids = ["{compat}"]\n'
+        )
+        self.index = Service("index", "serve", "--log-level", "warning")
+        holder_port = free_port()
+        self.holder_url = f"http://127.0.0.1:{holder_port}/kvsp/"
+        self.holder = Service(
+            "holder", "serve", "--url", self.holder_url, "--host-bytes", "256M",
+            "--index", self.index.base_url, "--log-level", "warning", port=holder_port,
+        )  # fmt: skip
+        self.controller = None
+        if controller:
+            self.controller = Service(
+                "controller", "serve", "--tenants", str(tenants), "--index", self.index.base_url,
+                "--min-active", "1", "--log-level", "warning",
+            )  # fmt: skip
+        self.tenants = tenants
+
+    def instance(self) -> Service:
+        port = free_port()
+        args = [
+            "instance", "serve", "--url", f"http://127.0.0.1:{port}/kvsp/",
+            "--tenants", str(self.tenants), "--index", self.index.base_url,
+            "--offload", self.holder_url, "--status-ttl-ms", "900", "--threads", "1",
+            "--log-level", "warning",
+        ]  # fmt: skip
+        if self.controller is not None:
+            args += ["--controller", self.controller.base_url]
+        return Service(*args, port=port)
+
+
+async def generate(base: str, tokens: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+    body = {"tenant": "acme", "tokens": tokens, "max_tokens": max_tokens, **extra}
+    async with httpx.AsyncClient(timeout=120) as http:
+        response = await http.post(base + "generate", json=body)
+        assert response.status_code == 200, response.text
+        lines = [json.loads(line) for line in response.text.splitlines()]
+    return {"tokens": [x["token"] for x in lines[:-1]], "summary": lines[-1], "lines": lines[:-1]}
+
+
+@pytest.fixture
+def compat(model_files: ModelFiles) -> str:
+    return model_files.compat_id.hex()
+
+
+@pytest.fixture(scope="module")
+def reference(engine: Engine) -> list[int]:
+    greedy = Sampler(method="greedy", deterministic=True)
+    return list(engine.generate(KvState(), PROMPT, greedy, 24))
+
+
+async def test_cached_prefixes_local_and_remote_give_the_recomputed_tokens(
+    tmp_path: Path, reference: list[int], compat: str
+) -> None:
+    cluster = Cluster(tmp_path, compat)
+    a, b = cluster.instance(), cluster.instance()
+    with running(cluster.index, cluster.holder, a, b):
+        cold = await generate(a.base_url, PROMPT, 24)
+        assert cold["tokens"] == reference
+        assert cold["summary"]["cached_tokens"] == 0
+        warm = await generate(a.base_url, PROMPT, 24)  # another session: blocks from G2
+        assert warm["tokens"] == reference
+        assert warm["summary"]["cached_tokens"] == 48
+        for _ in range(50):  # the blocks' records reach the IS
+            remote = await generate(b.base_url, PROMPT, 24)
+            if remote["summary"]["cached_tokens"]:
+                break
+            await asyncio.sleep(0.1)
+        assert remote["tokens"] == reference
+        assert remote["summary"]["cached_tokens"] == 48  # fetched from A or the holder
+        assert [x["index"] for x in remote["lines"]] == list(range(len(reference)))
+    for service in (a, b):
+        assert service.log.count(b"Traceback") == 0
+
+
+async def test_a_prefetch_past_its_deadline_is_partial_and_the_request_still_correct(
+    tmp_path: Path, reference: list[int], compat: str
+) -> None:
+    cluster = Cluster(tmp_path, compat)
+    a, b = cluster.instance(), cluster.instance()
+    with running(cluster.index, cluster.holder, a, b):
+        await generate(a.base_url, PROMPT, 1)
+        compat_id = parse_compat_id(compat)
+        keys = [k.hex() for k in block_keys(bytes.fromhex(SCOPE_KEY), compat_id, PROMPT[:48], 16)]
+        directive = {
+            "directive": str(uuid.uuid4()),
+            "scope_id": scope_id(bytes.fromhex(SCOPE_KEY)).hex(),
+            "compat_id": compat,
+            "blocks": [{"block_key": k, "sources": [a.base_url]} for k in keys],
+            "deadline_ms": 1,
+            "lease_ms": 5_000,
+        }
+        async with httpx.AsyncClient(timeout=30) as http:
+            for _ in range(50):  # A's records reach the IS first
+                sent = await http.post(b.base_url + "prefetch", json=directive)
+                assert sent.status_code == 202
+                location = sent.headers["location"]
+                await asyncio.sleep(0.2)
+                status = (await http.get(httpx.URL(b.base_url).join(location))).json()
+                if status["state"] in ("partial", "failed"):
+                    break
+                directive["directive"] = str(uuid.uuid4())
+            assert status["state"] in ("partial", "failed")
+            assert len(status["loaded"]) < len(keys)
+        after = await generate(b.base_url, PROMPT, 24)
+        assert after["tokens"] == reference
+
+
+async def _delivered(
+    http: httpx.AsyncClient, base: str, session: str, start: int, into: dict[int, tuple[int, int]]
+) -> dict[str, Any]:
+    """Read a session's token stream, keeping each index once (a higher epoch wins)."""
+    async with http.stream("GET", f"{base}sessions/{session}/tokens", params={"from": start}) as r:
+        async for line in r.aiter_lines():
+            doc = json.loads(line)
+            if "done" in doc:
+                return doc
+            seen = into.get(doc["index"])
+            if seen is None or doc["epoch"] > seen[0]:
+                into[doc["index"]] = (doc["epoch"], doc["token"])
+    return {}
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "checkpoint-ack"])
+async def test_sigkill_mid_generation_resumes_elsewhere_exactly_once(
+    tmp_path: Path, mode: str, engine: Engine, compat: str
+) -> None:
+    if mode == "deterministic":
+        sampler = Sampler(method="greedy", deterministic=True)
+    else:
+        sampler = Sampler(method="top-p", params={"p": 0.9}, seed=11)
+    expected = list(engine.generate(KvState(), PROMPT, sampler, 40))
+    cluster = Cluster(tmp_path, compat, controller=True)
+    assert cluster.controller is not None
+    a, b = cluster.instance(), cluster.instance()
+    session = str(uuid.uuid4())
+    with running(cluster.index, cluster.holder, cluster.controller, a, b):
+        async with httpx.AsyncClient(timeout=120) as http:
+            for _ in range(50):  # both instances have reported
+                view = (await http.get(cluster.controller.base_url + "instances")).json()
+                if len(view["instances"]) == 2:
+                    break
+                await asyncio.sleep(0.1)
+            place = {
+                "tenant": "acme", "compat_id": compat,
+                "tokens": PROMPT, "session": session, "sampler": sampler.to_json(),
+                "max_tokens": 40,
+            }  # fmt: skip
+            placed = (await http.post(cluster.controller.base_url + "place", json=place)).json()
+            first, second = (a, b) if placed["instance"] == a.base_url else (b, a)
+            body = {"tenant": "acme", "tokens": PROMPT, "max_tokens": 40, "session": session,
+                    "sampler": sampler.to_json()}  # fmt: skip
+            got: dict[int, tuple[int, int]] = {}
+            async with http.stream("POST", first.base_url + "generate", json=body) as r:
+                async for line in r.aiter_lines():
+                    doc = json.loads(line)
+                    if "done" in doc:
+                        break
+                    got[doc["index"]] = (doc["epoch"], doc["token"])
+                    if len(got) >= 20:
+                        first.stop(signal.SIGKILL)
+                        break
+            released_by_first = {i: t for i, (_, t) in got.items()}
+            for _ in range(100):  # the controller notices and resumes on the other instance
+                with contextlib.suppress(httpx.HTTPError):
+                    state = (
+                        await http.get(f"{cluster.controller.base_url}sessions/{session}")
+                    ).json()
+                    if state.get("epoch") == 1:
+                        break
+                await asyncio.sleep(0.1)
+            assert state["instance"] == second.base_url
+            summary = await _delivered(http, second.base_url, session, 0, got)
+    assert summary["epoch"] == 1
+    assert sorted(got) == list(range(len(expected)))  # every index, once
+    assert [t for _, (_, t) in sorted(got.items())] == expected
+    for index, token in released_by_first.items():  # nothing released was ever altered
+        assert got[index][1] == token
