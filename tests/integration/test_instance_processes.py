@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import random
 import signal
 import uuid
 from pathlib import Path
@@ -165,6 +167,20 @@ async def _delivered(
     return {}
 
 
+#: SIGKILLs per sampler mode, each at a different point of the generation
+KILLS = int(os.environ.get("KVSP_KILLS", "20"))
+
+
+async def _until(check: Any, what: str, tries: int = 150) -> Any:
+    for _ in range(tries):
+        with contextlib.suppress(httpx.HTTPError, KeyError):
+            found = await check()
+            if found:
+                return found
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 @pytest.mark.parametrize("mode", ["deterministic", "checkpoint-ack"])
 async def test_sigkill_mid_generation_resumes_elsewhere_exactly_once(
     tmp_path: Path, mode: str, engine: Engine, compat: str
@@ -173,50 +189,64 @@ async def test_sigkill_mid_generation_resumes_elsewhere_exactly_once(
         sampler = Sampler(method="greedy", deterministic=True)
     else:
         sampler = Sampler(method="top-p", params={"p": 0.9}, seed=11)
-    expected = list(engine.generate(KvState(), PROMPT, sampler, 40))
+    expected = list(engine.generate(KvState(), PROMPT, sampler, 32))
     cluster = Cluster(tmp_path, compat, controller=True)
     assert cluster.controller is not None
-    a, b = cluster.instance(), cluster.instance()
-    session = str(uuid.uuid4())
-    with running(cluster.index, cluster.holder, cluster.controller, a, b):
-        async with httpx.AsyncClient(timeout=120) as http:
-            for _ in range(50):  # both instances have reported
-                view = (await http.get(cluster.controller.base_url + "instances")).json()
-                if len(view["instances"]) == 2:
-                    break
-                await asyncio.sleep(0.1)
-            place = {
-                "tenant": "acme", "compat_id": compat,
-                "tokens": PROMPT, "session": session, "sampler": sampler.to_json(),
-                "max_tokens": 40,
-            }  # fmt: skip
-            placed = (await http.post(cluster.controller.base_url + "place", json=place)).json()
-            first, second = (a, b) if placed["instance"] == a.base_url else (b, a)
-            body = {"tenant": "acme", "tokens": PROMPT, "max_tokens": 40, "session": session,
-                    "sampler": sampler.to_json()}  # fmt: skip
-            got: dict[int, tuple[int, int]] = {}
-            async with http.stream("POST", first.base_url + "generate", json=body) as r:
-                async for line in r.aiter_lines():
-                    doc = json.loads(line)
-                    if "done" in doc:
-                        break
-                    got[doc["index"]] = (doc["epoch"], doc["token"])
-                    if len(got) >= 20:
-                        first.stop(signal.SIGKILL)
-                        break
-            released_by_first = {i: t for i, (_, t) in got.items()}
-            for _ in range(100):  # the controller notices and resumes on the other instance
-                with contextlib.suppress(httpx.HTTPError):
-                    state = (
-                        await http.get(f"{cluster.controller.base_url}sessions/{session}")
-                    ).json()
-                    if state.get("epoch") == 1:
-                        break
-                await asyncio.sleep(0.1)
-            assert state["instance"] == second.base_url
-            summary = await _delivered(http, second.base_url, session, 0, got)
-    assert summary["epoch"] == 1
-    assert sorted(got) == list(range(len(expected)))  # every index, once
-    assert [t for _, (_, t) in sorted(got.items())] == expected
-    for index, token in released_by_first.items():  # nothing released was ever altered
-        assert got[index][1] == token
+    pc = cluster.controller.base_url
+    rng = random.Random(mode)
+    with running(cluster.index, cluster.holder, cluster.controller):
+        live = [cluster.instance().start(), cluster.instance().start()]
+        try:
+            async with httpx.AsyncClient(timeout=120) as http:
+
+                async def active() -> set[str]:
+                    view = (await http.get(pc + "instances")).json()["instances"]
+                    return {i["instance"] for i in view if i["state"] == "active"}
+
+                for kill in range(KILLS):
+                    urls = {s.base_url for s in live}
+                    await _until(lambda urls=urls: _all_in(active(), urls), "statuses")
+                    session = str(uuid.uuid4())
+                    place = {
+                        "tenant": "acme", "compat_id": compat, "tokens": PROMPT,
+                        "session": session, "sampler": sampler.to_json(), "max_tokens": 32,
+                    }  # fmt: skip
+                    placed = (await http.post(pc + "place", json=place)).json()
+                    first = next(s for s in live if s.base_url == placed["instance"])
+                    second = next(s for s in live if s is not first)
+                    body = {k: place[k] for k in ("tenant", "tokens", "session", "sampler")}
+                    body["max_tokens"] = 32
+                    stop_after = rng.randint(1, 28)
+                    got: dict[int, tuple[int, int]] = {}
+                    async with http.stream("POST", first.base_url + "generate", json=body) as r:
+                        async for line in r.aiter_lines():
+                            doc = json.loads(line)
+                            if "done" in doc:
+                                break
+                            got[doc["index"]] = (doc["epoch"], doc["token"])
+                            if len(got) >= stop_after:
+                                first.stop(signal.SIGKILL)
+                                break
+                    released = {i: t for i, (_, t) in got.items()}
+                    replacement = asyncio.create_task(asyncio.to_thread(cluster.instance().start))
+
+                    async def moved(
+                        url: str = f"{pc}sessions/{session}", to: str = second.base_url
+                    ) -> bool:
+                        state = (await http.get(url)).json()
+                        return bool(state["epoch"] == 1 and state["instance"] == to)
+
+                    await _until(moved, f"failover {kill}")
+                    summary = await _delivered(http, second.base_url, session, 0, got)
+                    assert summary["epoch"] == 1
+                    assert sorted(got) == list(range(len(expected))), (kill, stop_after)
+                    assert [t for _, (_, t) in sorted(got.items())] == expected
+                    assert all(got[i][1] == t for i, t in released.items())
+                    live = [second, await replacement]
+        finally:
+            for service in live:
+                service.stop()
+
+
+async def _all_in(found: Any, wanted: set[str]) -> bool:
+    return wanted <= await found
