@@ -420,6 +420,9 @@ def instance_serve_command(
     block_tokens: Annotated[int, typer.Option("--block-tokens", min=1)] = 16,
     status_ttl_ms: Annotated[int, typer.Option("--status-ttl-ms", min=300)] = 3_000,
     threads: Annotated[int | None, typer.Option("--threads", min=1)] = None,
+    sleep_after_s: Annotated[
+        float | None, typer.Option("--sleep-after-s", help="ask to sleep when idle this long")
+    ] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run an inference instance on HOST:PORT under /kvsp/ (install the model first)."""
@@ -441,6 +444,7 @@ def instance_serve_command(
         offload_url=offload,
         status_ttl_ms=status_ttl_ms,
         threads=threads,
+        sleep_after_s=sleep_after_s,
     )
     principals = _principals(auth, host)
     uvicorn.run(

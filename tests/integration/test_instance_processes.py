@@ -62,7 +62,7 @@ class Cluster:
             )  # fmt: skip
         self.tenants = tenants
 
-    def instance(self) -> Service:
+    def instance(self, *extra: str) -> Service:
         port = free_port()
         args = [
             "instance", "serve", "--url", f"http://127.0.0.1:{port}/kvsp/",
@@ -72,7 +72,7 @@ class Cluster:
         ]  # fmt: skip
         if self.controller is not None:
             args += ["--controller", self.controller.base_url]
-        return Service(*args, port=port)
+        return Service(*args, *extra, port=port)
 
 
 async def generate(base: str, tokens: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -250,3 +250,36 @@ async def test_sigkill_mid_generation_resumes_elsewhere_exactly_once(
 
 async def _all_in(found: Any, wanted: set[str]) -> bool:
     return wanted <= await found
+
+
+async def test_6_3_idle_instances_ask_to_sleep_and_only_the_controller_wakes_them(
+    tmp_path: Path, compat: str
+) -> None:
+    cluster = Cluster(tmp_path, compat, controller=True)
+    assert cluster.controller is not None
+    pc = cluster.controller.base_url
+    a, b = cluster.instance("--sleep-after-s", "0.5"), cluster.instance("--sleep-after-s", "0.5")
+    with running(cluster.index, cluster.holder, cluster.controller, a, b):
+        async with httpx.AsyncClient(timeout=30) as http:
+
+            async def states() -> dict[str, str]:
+                view = (await http.get(pc + "instances")).json()["instances"]
+                return {i["instance"]: i["state"] for i in view}
+
+            async def one_asleep() -> dict[str, str] | None:
+                found = await states()
+                return found if sorted(found.values()) == ["active", "sleeping"] else None
+
+            found = await _until(one_asleep, "one instance asleep")  # min-active 1 keeps one
+            asleep = next(url for url, state in found.items() if state == "sleeping")
+            health = (await http.get(asleep + "healthz")).json()
+            assert health["state"] == "sleeping"
+            refused = await http.post(
+                asleep + "generate", json={"tenant": "acme", "tokens": PROMPT, "max_tokens": 1}
+            )
+            assert refused.status_code == 503
+            woken = await http.put(
+                pc + "instances/state", json={"instance": asleep, "state": "active"}
+            )
+            assert woken.status_code == 200
+            assert (await http.get(asleep + "healthz")).json()["state"] == "active"

@@ -94,6 +94,8 @@ class InstanceConfig:
     max_tokens: int = 256
     model_home: Path | None = None
     threads: int | None = None
+    #: ask the controller to sleep after this long with nothing to do (None: never)
+    sleep_after_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,7 @@ class InstanceService:
         self.prefill_rate = 400.0
         self.decode_rate = 15.0
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvsp-engine")
+        self._idle_since = time.monotonic()
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -240,8 +243,18 @@ class InstanceService:
                 "decode_tokens_per_s": self.decode_rate,
                 "links": links,
                 "ttl_ms": self.config.status_ttl_ms,
+                "requested_state": InstanceState.SLEEPING if self._wants_sleep() else None,
             }
         )
+
+    def _wants_sleep(self) -> bool:
+        """Idle for ``sleep_after_s`` (KVSP 6.3: an instance MAY ask to sleep)."""
+        if self.running():
+            self._idle_since = time.monotonic()
+            return False
+        limit = self.config.sleep_after_s
+        idle = time.monotonic() - self._idle_since
+        return self.state is InstanceState.ACTIVE and limit is not None and idle >= limit
 
     async def _status_loop(self) -> None:
         period = self.config.status_ttl_ms / 3000
@@ -261,6 +274,7 @@ class InstanceService:
         authorize(principal, Role.CONTROLLER)
         if state is InstanceState.ACTIVE:
             self.state = state
+            self._idle_since = time.monotonic()  # a fresh start before asking to sleep again
         elif state is InstanceState.DRAINING:
             self.state = state if self.running() else InstanceState.SLEEPING
         else:
