@@ -59,6 +59,7 @@ STATE_MODULES = [
     PACKAGE / "controller" / "reshard.py",
     PACKAGE / "instance" / "kvpool.py",
     PACKAGE / "instance" / "sampling.py",
+    PACKAGE / "instance" / "shards.py",
 ]
 
 

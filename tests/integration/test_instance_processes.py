@@ -23,9 +23,11 @@ from typing import Any
 import httpx
 import pytest
 
+from kvsp.controller.reshard import plan_reshard
+from kvsp.core.container import Container
 from kvsp.core.ids import parse_compat_id
 from kvsp.core.keys import block_keys, scope_id
-from kvsp.core.records import Sampler
+from kvsp.core.records import Sampler, ShardMap
 from kvsp.instance.engine import Engine, KvState
 from kvsp.instance.model import ModelFiles
 from tests.servers import Service, free_port, running
@@ -283,3 +285,88 @@ async def test_6_3_idle_instances_ask_to_sleep_and_only_the_controller_wakes_the
             )
             assert woken.status_code == 200
             assert (await http.get(asleep + "healthz")).json()["state"] == "active"
+
+
+def _tokens_of(shard_map: dict[str, Any], url: str) -> set[int]:
+    return {t for s in shard_map["shards"] if s["instance"] == url for t in range(*s["tokens"])}
+
+
+async def test_6_9_reshard_keeps_retained_ranges_in_place_and_abort_restores_v(
+    tmp_path: Path, compat: str, engine: Engine
+) -> None:
+    """Three instances hold a 96-token context split by token range; the controller grows,
+    shrinks and rebalances it. The union of the shards always equals the context's own KV (layer
+    digests of each range), octets move only for ranges that change hands, and an abort (a
+    deadline nobody can meet) leaves every member on the old version."""
+    context = (PROMPT * 2)[:96]
+    source = KvState()
+    engine.forward(source, context)
+    header = 20 + 16 * 30
+    per_token = engine.export_range(source, 0, 1).size - header
+
+    cluster = Cluster(tmp_path, compat, controller=True)
+    assert cluster.controller is not None
+    pc = cluster.controller.base_url
+    members = [cluster.instance(), cluster.instance(), cluster.instance()]
+    with running(cluster.index, cluster.holder, cluster.controller, *members):
+        urls = [m.base_url for m in members]
+        async with httpx.AsyncClient(timeout=60) as http:
+
+            async def get(url: str, **params: str) -> Any:
+                response = await http.get(url, params=params)
+                assert response.status_code == 200, response.text
+                return response
+
+            async def transferred() -> dict[str, int]:
+                return {u: (await get(f"{u}shards/ctx")).json()["transferred_octets"] for u in urls}
+
+            async def check(version: int) -> dict[str, Any]:
+                current = (await get(f"{pc}shards/ctx")).json()["map"]
+                assert current["version"] == version
+                for shard in current["shards"]:
+                    a, b = shard["tokens"]
+                    base = shard["instance"]
+                    assert (await get(f"{base}shards/ctx")).json()["version"] == version
+                    kv = await get(f"{base}shards/ctx/kv", tokens=f"{a}-{b}")
+                    want = engine.export_range(source, a, b).layer_digests()
+                    assert Container.parse(kv.content).layer_digests() == want
+                return dict(current)
+
+            v1 = {"map": "ctx", "version": 1, "shards": [
+                {"tokens": [0, 48], "instance": urls[0]},
+                {"tokens": [48, 96], "instance": urls[1]},
+            ]}  # fmt: skip
+            assert (await http.post(pc + "shards", json=v1)).status_code == 201
+            loads = [(urls[0], [0, 48]), (urls[1], [48, 96]), (urls[2], [0, 1])]
+            for url, tokens in loads:  # the third member starts at version 1 with a sliver
+                load = {"version": 1, "tokens": context, "ranges": [tokens]}
+                r = await http.post(f"{url}shards/ctx/load", json=load)
+                assert r.status_code == 200, r.text
+            await check(1)
+            moves = ([urls[0], urls[1], urls[2]], [urls[0], urls[2]], [urls[2], urls[0]])
+            for instances in moves:  # grow, shrink, rebalance in another order
+                before, old = await transferred(), await check_current(get, pc)
+                body = {"instances": instances, "deadline_ms": 20_000}
+                done = await http.post(f"{pc}shards/ctx/reshard", json=body)
+                assert done.json()["committed"] is True, done.text
+                new = await check(old["version"] + 1)
+                after = await transferred()
+                for url in instances:  # octets arrived only for tokens that changed hands
+                    gained = len(_tokens_of(new, url) - _tokens_of(old, url))
+                    expected = gained * per_token + header * _pieces(old, new, url)
+                    assert after[url] - before[url] == expected, (url, instances)
+            last = (await check_current(get, pc))["version"]
+            body = {"instances": urls, "deadline_ms": 1}
+            failed = await http.post(f"{pc}shards/ctx/reshard", json=body)
+            assert failed.json()["committed"] is False
+            await check(last)
+
+
+async def check_current(get: Any, pc: str) -> dict[str, Any]:
+    return dict((await get(f"{pc}shards/ctx")).json()["map"])
+
+
+def _pieces(old: dict[str, Any], new: dict[str, Any], url: str) -> int:
+    """How many fetch ranges ``url`` receives going from ``old`` to ``new`` (one container each)."""
+    plans = plan_reshard(ShardMap.parse(old), ShardMap.parse(new), 1)
+    return len(plans[url].fetch) if url in plans else 0

@@ -18,7 +18,7 @@ import aiohttp
 
 from kvsp.core.container import Container, ContainerParser, LayerSections
 from kvsp.core.digests import verify_repr_digest
-from kvsp.core.problems import DigestError, ServiceUnavailable
+from kvsp.core.problems import ContainerLengthError, DigestError, ServiceUnavailable
 from kvsp.core.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord
 from kvsp.core.registries import BLOCK_MEDIA_TYPE, JSON_MEDIA_TYPE
 from kvsp.core.urls import canonical_url
@@ -139,6 +139,23 @@ class HolderClient(ClosingClient):
                 for layer in receiver.feed(chunk):
                     yield layer
             receiver.finish()
+
+    async def get_container(self, base: str, path: str, max_octets: int) -> Container:
+        """Any container resource (a token range of a sharded cache, say) with no Replica Record
+        to check against: verified with ``Repr-Digest`` only, then parsed."""
+        async with self._request("GET", base, path) as response:
+            declared = response.content_length
+            if declared is not None and declared > max_octets:
+                raise ContainerLengthError(f"{declared} octets is above {max_octets}")
+            chunks, received = [], 0
+            async for chunk in response.content.iter_any():
+                received += len(chunk)
+                if received > max_octets:
+                    raise ContainerLengthError(f"answer above {max_octets} octets")
+                chunks.append(chunk)
+            body = b"".join(chunks)
+            verify_repr_digest(response.headers.get("repr-digest"), hashlib.sha256(body).digest())
+            return Container.parse(body, max_octets=max_octets)
 
     async def put(self, holder: str, block: BlockId, container: Container) -> ReplicaRecord:
         """Store a whole block at ``holder``; ``AlreadyStored`` if it holds the key already."""

@@ -3,8 +3,10 @@ holder routes over its own blocks (docs/api.md)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -16,6 +18,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from kvsp.auth import Principals
+from kvsp.core.digests import repr_digest
+from kvsp.core.problems import InvalidInput
 from kvsp.core.records import (
     PrefetchDirective,
     Record,
@@ -23,23 +27,33 @@ from kvsp.core.records import (
     SessionCheckpoint,
     StateChange,
     TokenId,
+    TokenRange,
     Uuid,
 )
+from kvsp.core.registries import BLOCK_MEDIA_TYPE
 from kvsp.holder.app import block_routes
 from kvsp.instance.service import InstanceService, TokenEvent
 from kvsp.web.server import (
     install_problem_handlers,
     json_response,
     lifespan_of,
+    parse_json_object,
     principal_of,
     read_json_body,
 )
 
-__all__ = ["GenerateRequest", "create_app"]
+__all__ = ["GenerateRequest", "ShardLoad", "create_app"]
 
 log = logging.getLogger("kvsp.instance")
 _BODY_OCTETS = 8 << 20
 NDJSON = "application/x-ndjson"
+_RANGE = re.compile(r"([0-9]{1,9})-([0-9]{1,9})")
+
+
+class ShardLoad(Record):
+    version: Annotated[StrictInt, Field(ge=0)]
+    tokens: Annotated[tuple[TokenId, ...], Field(min_length=1, max_length=1 << 17)]
+    ranges: Annotated[tuple[TokenRange, ...], Field(min_length=1, max_length=64)]
 
 
 class GenerateRequest(Record):
@@ -135,6 +149,39 @@ def create_app(service: InstanceService, principals: Principals) -> Starlette:
         now = service.set_state(principal, change.state)
         return json_response(json.dumps({"state": now.value}).encode())
 
+    async def load_shard(request: Request) -> Response:
+        principal = principal_of(request, principals)
+        parsed = ShardLoad.parse(await body(request))
+        map_id = request.path_params["map"]
+        await service.load_shard(principal, map_id, parsed.version, parsed.tokens, parsed.ranges)
+        return json_response(json.dumps({"map": map_id, "version": parsed.version}).encode())
+
+    async def shard(request: Request) -> Response:
+        principal_of(request, principals)
+        map_id = request.path_params["map"]
+        doc = {
+            "map": map_id,
+            "version": service.shards.version(map_id),
+            "ranges": service.shards.ranges(map_id),
+            "transferred_octets": service.shards.transferred,
+        }
+        return json_response(json.dumps(doc).encode())
+
+    async def shard_kv(request: Request) -> Response:
+        principal_of(request, principals)
+        match = _RANGE.fullmatch(request.query_params.get("tokens", ""))
+        if match is None:
+            raise InvalidInput("tokens=a-b (a < b) is required")
+        held = service.shards.read(request.path_params["map"], (int(match[1]), int(match[2])))
+        octets = held.kv.tobytes()
+        headers = {"repr-digest": repr_digest(hashlib.sha256(octets).digest())}
+        return Response(octets, media_type=BLOCK_MEDIA_TYPE, headers=headers)
+
+    async def reshard(request: Request) -> Response:
+        principal = principal_of(request, principals)
+        await service.reshard(principal, parse_json_object(await body(request)))
+        return json_response(b'{"ok":true}')
+
     async def healthz(_: Request) -> Response:
         return json_response(
             json.dumps(
@@ -155,6 +202,10 @@ def create_app(service: InstanceService, principals: Principals) -> Starlette:
             Route(base + "prefetch", prefetch, methods=["POST"]),
             Route(base + "prefetch/{directive}", prefetch_status, methods=["GET"]),
             Route(base + "state", state, methods=["PUT"]),
+            Route(base + "reshard", reshard, methods=["POST"]),
+            Route(base + "shards/{map}", shard, methods=["GET"]),
+            Route(base + "shards/{map}/load", load_shard, methods=["POST"]),
+            Route(base + "shards/{map}/kv", shard_kv, methods=["GET"]),
             Route(base + "healthz", healthz, methods=["GET"]),
             Route(base + "metrics", metrics, methods=["GET"]),
         ],

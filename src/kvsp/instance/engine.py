@@ -91,9 +91,13 @@ class Engine:
 
     def export_block(self, state: KvState, index: int) -> Container:
         """Block ``index`` of ``state`` (tokens ``index*B .. (index+1)*B``) as a container."""
-        lo, hi = index * self.block_tokens, (index + 1) * self.block_tokens
-        if hi > len(state):
-            raise ValueError(f"block {index} is not complete ({len(state)} tokens cached)")
+        b = self.block_tokens
+        return self.export_range(state, index * b, (index + 1) * b)
+
+    def export_range(self, state: KvState, lo: int, hi: int) -> Container:
+        """Tokens ``lo..hi-1`` of ``state``, every layer, as a container."""
+        if not 0 <= lo < hi <= len(state):
+            raise ValueError(f"tokens {lo}-{hi} are not all cached ({len(state)} are)")
         sections = []
         for layer in state.cache.layers:
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
@@ -102,7 +106,7 @@ class Engine:
             k = keys[0, :, lo:hi, :].permute(1, 0, 2).contiguous().numpy()
             v = values[0, :, lo:hi, :].permute(1, 0, 2).contiguous().numpy()
             sections.append((k, v))
-        return Container.build(0, self.block_tokens, sections, geometry=self.geometry)
+        return Container.build(0, hi - lo, sections, geometry=self.geometry)
 
     def state_from_blocks(self, blocks: Sequence[Container], tokens: Sequence[int]) -> KvState:
         """A state covering ``tokens`` from the containers of its consecutive blocks."""

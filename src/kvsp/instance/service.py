@@ -42,6 +42,7 @@ from kvsp.core.ids import parse_block_key, parse_compat_id
 from kvsp.core.keys import BlockKeyChain
 from kvsp.core.problems import (
     AlreadyStored,
+    ContainerError,
     IllegalTransition,
     KvspError,
     NotFound,
@@ -56,6 +57,9 @@ from kvsp.core.records import (
     PrefetchState,
     PrefetchStatus,
     ReplicaRecord,
+    ReshardAbort,
+    ReshardCommit,
+    ReshardPlan,
     Sampler,
     SessionCheckpoint,
 )
@@ -66,6 +70,7 @@ from kvsp.index.client import IndexClient
 from kvsp.instance.engine import Engine, KvState
 from kvsp.instance.model import ModelFiles, installed
 from kvsp.instance.sampling import next_token
+from kvsp.instance.shards import HeldRange, ShardHoldings
 from kvsp.tasks import cancel_all
 from kvsp.web.client import JsonClient
 
@@ -192,6 +197,7 @@ class InstanceService:
         self.peers = HolderClient(config.token)
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.prefetches: dict[str, PrefetchStatus] = {}
+        self.shards = ShardHoldings()
         #: measured transfer rate (Mbit/s) and round trip (us) per holder fetched from
         self.links: dict[str, tuple[float, float]] = {}
         self.prefill_rate = 400.0
@@ -648,3 +654,52 @@ class InstanceService:
         if found is None:
             raise NotFound(f"no directive {directive}")
         return found
+
+    # -- sequence-sharded caches (6.9) ---------------------------------------------------------
+
+    async def load_shard(
+        self,
+        principal: Principal,
+        map_id: str,
+        version: int,
+        tokens: Sequence[int],
+        ranges: Sequence[tuple[int, int]],
+    ) -> None:
+        """Compute the KV of a context and hold the given token ranges of it, at ``version``."""
+        authorize(principal, Role.CONTROLLER)
+        if any(not 0 <= a < b <= len(tokens) for a, b in ranges):
+            raise NotFound("a range lies outside the context")
+
+        def work() -> list[HeldRange]:
+            state = KvState()
+            self.engine.forward(state, list(tokens))
+            return [HeldRange((a, b), self.engine.export_range(state, a, b)) for a, b in ranges]
+
+        held = await asyncio.get_running_loop().run_in_executor(self._worker, work)
+        self.shards.load(map_id, version, held)
+
+    async def reshard(self, principal: Principal, message: dict[str, Any]) -> None:
+        """A plan (answered once every fetch range is loaded and verified), a commit, or an
+        abort."""
+        authorize(principal, Role.CONTROLLER)
+        if "commit" in message:
+            commit = ReshardCommit.parse(message)
+            self.shards.commit(commit.map, commit.commit)
+            return
+        if "abort" in message:
+            abort = ReshardAbort.parse(message)
+            self.shards.abort(abort.map, abort.abort)
+            return
+        plan = ReshardPlan.parse(message)
+        self.shards.begin(plan)
+        g = self.engine.geometry
+        for move in plan.fetch:
+            start, end = move.tokens
+            path = f"shards/{plan.map}/kv?tokens={start}-{end}"
+            limit = 64 + 32 * g.layers + 2 * g.layers * g.section_bytes(end - start)
+            kv = await self.peers.get_container(move.from_, path, limit)
+            if kv.header.token_count != end - start or kv.header.layer_count != g.layers:
+                raise ContainerError(
+                    f"{move.from_} sent a container that is not tokens {start}-{end}"
+                )
+            self.shards.fetched(plan.map, HeldRange((start, end), kv))
