@@ -236,6 +236,13 @@ def _principals(auth: Path | None, host: str) -> Principals:
     return Principals.development_mode()
 
 
+def _serve(asgi_app: Any, host: str, port: int, log_level: str) -> None:
+    """Run a service's ASGI app with uvicorn until it is stopped."""
+    import uvicorn
+
+    uvicorn.run(asgi_app, host=host, port=port, log_level=log_level, access_log=False)
+
+
 @index_app.command("serve")
 def index_serve_command(
     host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
@@ -250,8 +257,6 @@ def index_serve_command(
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run the Index Service on HOST:PORT under /kvsp/."""
-    import uvicorn
-
     from kvsp.core.clock import SystemClock
     from kvsp.index.app import create_app
     from kvsp.index.service import IndexService
@@ -264,13 +269,7 @@ def index_serve_command(
     replica_store = open_store(store, limits, SystemClock())
     principals = _principals(auth, host)
     service = IndexService(replica_store)
-    uvicorn.run(
-        create_app(service, principals),
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=False,
-    )
+    _serve(create_app(service, principals), host, port, log_level)
 
 
 _SIZE = re.compile(r"([0-9]+)\s*([KMGT]?)i?B?", re.IGNORECASE)
@@ -314,8 +313,6 @@ def holder_serve_command(
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run a holder on HOST:PORT under /kvsp/, publishing what it holds to --index."""
-    import uvicorn
-
     from kvsp.holder.app import create_app
     from kvsp.holder.leases import LeaseLimits
     from kvsp.holder.service import HolderConfig, HolderService
@@ -333,13 +330,7 @@ def holder_serve_command(
         index_token=_read_token(index_token_file),
     )
     principals = _principals(auth, host)
-    uvicorn.run(
-        create_app(HolderService(config), principals),
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=False,
-    )
+    _serve(create_app(HolderService(config), principals), host, port, log_level)
 
 
 @controller_app.command("serve")
@@ -360,8 +351,6 @@ def controller_serve_command(
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run the Placement Controller on HOST:PORT under /kvsp/."""
-    import uvicorn
-
     from kvsp.controller.app import create_app
     from kvsp.controller.instances import InstancePolicy
     from kvsp.controller.placement import PlacementPolicy
@@ -378,13 +367,7 @@ def controller_serve_command(
         instances=InstancePolicy(min_active=min_active),
     )
     principals = _principals(auth, host)
-    uvicorn.run(
-        create_app(ControllerService(config), principals),
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=False,
-    )
+    _serve(create_app(ControllerService(config), principals), host, port, log_level)
 
 
 @model_app.command("install")
@@ -426,8 +409,6 @@ def instance_serve_command(
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run an inference instance on HOST:PORT under /kvsp/ (install the model first)."""
-    import uvicorn
-
     from kvsp.controller.tenants import Tenants
     from kvsp.instance.app import create_app
     from kvsp.instance.service import InstanceConfig, InstanceService
@@ -447,13 +428,7 @@ def instance_serve_command(
         sleep_after_s=sleep_after_s,
     )
     principals = _principals(auth, host)
-    uvicorn.run(
-        create_app(InstanceService(config), principals),
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=False,
-    )
+    _serve(create_app(InstanceService(config), principals), host, port, log_level)
 
 
 def _fail(message: str) -> NoReturn:
