@@ -370,3 +370,20 @@ def _pieces(old: dict[str, Any], new: dict[str, Any], url: str) -> int:
     """How many fetch ranges ``url`` receives going from ``old`` to ``new`` (one container each)."""
     plans = plan_reshard(ShardMap.parse(old), ShardMap.parse(new), 1)
     return len(plans[url].fetch) if url in plans else 0
+
+
+async def test_a_sessions_next_turn_reuses_its_working_state_in_g1(
+    tmp_path: Path, engine: Engine, compat: str
+) -> None:
+    greedy = Sampler(method="greedy", deterministic=True)
+    cluster = Cluster(tmp_path, compat)
+    a = cluster.instance()
+    session = str(uuid.uuid4())
+    with running(cluster.index, cluster.holder, a):
+        first = await generate(a.base_url, PROMPT, 8, session=session)
+        turn = PROMPT + first["tokens"] + [13, 1073, 314]  # the reply, then the user goes on
+        expected = list(engine.generate(KvState(), turn, greedy, 8))
+        second = await generate(a.base_url, turn, 8, session=session)
+        assert second["tokens"] == expected
+        # everything the first turn computed (all but its last token) came from G1
+        assert second["summary"]["cached_tokens"] == len(PROMPT) + len(first["tokens"]) - 1
