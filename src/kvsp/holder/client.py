@@ -11,6 +11,7 @@ final step raises if that fails, after the (already layer-verified) layers were 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -156,6 +157,13 @@ class HolderClient(ClosingClient):
             body = b"".join(chunks)
             verify_repr_digest(response.headers.get("repr-digest"), hashlib.sha256(body).digest())
             return Container.parse(body, max_octets=max_octets)
+
+    async def round_trip_us(self, holder: str) -> float:
+        """Microseconds for a ``GET healthz`` at ``holder``: its round trip, as a link measure."""
+        start = time.perf_counter()
+        async with self._request("GET", holder, "healthz") as response:
+            await response.read()
+        return (time.perf_counter() - start) * 1e6
 
     async def put(self, holder: str, block: BlockId, container: Container) -> ReplicaRecord:
         """Store a whole block at ``holder``; ``AlreadyStored`` if it holds the key already."""

@@ -307,14 +307,21 @@ class InstanceService:
                 log.warning("offload of %s failed: %s", key[:16], exc.detail)
 
     async def _fetch(self, record: ReplicaRecord) -> Container:
+        """A verified block from another holder; the link to it is measured on the way (the
+        rate of the transfer, and a round trip measured once per holder)."""
+        holder = canonical_url(record.holder)
+        old = self.links.get(holder)
+        if old is None:
+            with contextlib.suppress(KvspError):
+                old = (0.0, await self.peers.round_trip_us(holder))
         start = time.perf_counter()
         container = await self.peers.get(record)
         seconds = max(time.perf_counter() - start, 1e-6)
-        holder = canonical_url(record.holder)
         rate = 8 * container.size / seconds / 1e6
-        old = self.links.get(holder)
-        rtt = 200.0 if old is None else old[1]
-        self.links[holder] = (rate if old is None else 0.7 * old[0] + 0.3 * rate, rtt)
+        if old is None or old[0] == 0.0:
+            self.links[holder] = (rate, 200.0 if old is None else old[1])
+        else:
+            self.links[holder] = (0.7 * old[0] + 0.3 * rate, old[1])
         return container
 
     async def _load(self, tenant: Tenant, keys: Sequence[str]) -> list[Container]:
