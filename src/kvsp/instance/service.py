@@ -44,6 +44,7 @@ from kvsp.core.problems import (
     AlreadyStored,
     ContainerError,
     IllegalTransition,
+    InvalidInput,
     KvspError,
     NotFound,
     ServiceUnavailable,
@@ -392,7 +393,7 @@ class InstanceService:
         if self.state is not InstanceState.ACTIVE:
             raise ServiceUnavailable(f"instance is {self.state}; it accepts no new sessions")
         if not tokens:
-            raise NotFound("a prompt needs at least one token")
+            raise InvalidInput("a prompt needs at least one token")
         tenant = self.config.tenants.get(tenant_name)
         b = self.engine.block_tokens
         cut = (len(tokens) - 1) // b
@@ -480,8 +481,7 @@ class InstanceService:
         session.state = state
         self._admit(session)
         rest = ids[len(state) :]
-        remaining = max(0, session.max_tokens - len(session.generated))
-        session.max_tokens = len(session.generated) + remaining
+        session.max_tokens = max(session.max_tokens, len(session.generated))
         self._spawn(self._run(session, state, rest, len(session.generated)))
         return session
 
