@@ -398,7 +398,13 @@ def instance_serve_command(
         str | None, typer.Option("--offload", help="a holder that keeps a copy of every block")
     ] = None,
     auth: Annotated[Path | None, typer.Option("--auth", help="principals file (TOML)")] = None,
-    g1_sessions: Annotated[int, typer.Option("--g1-sessions", min=1)] = 8,
+    g1_blocks: Annotated[
+        int, typer.Option("--g1-blocks", min=1, help="G1 capacity in blocks (KV pages)")
+    ] = 256,
+    g1_layers: Annotated[
+        int | None,
+        typer.Option("--g1-layers", min=1, help="leading layers of a block kept in G1"),
+    ] = None,
     g2_bytes: Annotated[str, typer.Option("--g2-bytes")] = "1G",
     block_tokens: Annotated[int, typer.Option("--block-tokens", min=1)] = 16,
     status_ttl_ms: Annotated[int, typer.Option("--status-ttl-ms", min=300)] = 3_000,
@@ -417,7 +423,8 @@ def instance_serve_command(
         url=url,
         tenants=Tenants.load(tenants),
         g2_bytes=parse_octets(g2_bytes),
-        g1_sessions=g1_sessions,
+        g1_blocks=g1_blocks,
+        g1_layers=g1_layers,
         block_tokens=block_tokens,
         controller_url=controller,
         index_url=index,

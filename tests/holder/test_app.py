@@ -82,7 +82,7 @@ class Env:
 
     async def settle(self) -> None:
         """Wait until every index update has been delivered."""
-        await self.service._run(lambda: None)
+        await self.service.call(lambda: None)
         if self.service._pending:
             await self.service._flush()
 

@@ -1,4 +1,6 @@
-"""The paged KV pool: exact eviction order, reference counts, demotion, prefixes, events."""
+"""The paged pool: G1 pages (O(1) free list, bit-exact, bounded), reference counts, and the tiered
+store with G1 in front of G2 (per-layer residency, LRU demotion G1 -> G2 before any drop,
+blocks in use never moved)."""
 
 from __future__ import annotations
 
@@ -6,106 +8,183 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsp.core.problems import CapacityExhausted
-from kvsp.instance.kvpool import Admitted, Demoted, Evicted, KvPool, Prefix
+from kvsp.core.clock import ManualClock
+from kvsp.core.problems import CapacityExhausted, ConfigurationError
+from kvsp.core.registries import Tier
+from kvsp.holder.blocks import BlockId
+from kvsp.holder.leases import LeaseLimits, LeaseTable
+from kvsp.holder.store import BlockStore, Protected, Publish, TierData, TierSpec, Withdraw
+from kvsp.holder.tiers import MemoryTier
+from kvsp.instance.kvpool import BlockRefs, KvPages
+from tests.holder.factories import block_id, stored
+
+HOLDER = "http://127.0.0.1:9201/kvsp/"
+LAYERS = 4
+PAGE = 128  # one layer of a factory block: K 64 + V 64 octets
+BLOCK = LAYERS * PAGE
 
 
-def keys(*ns: int) -> list[str]:
-    return [f"k{n}" for n in ns]
+def pool(
+    g1_blocks: int, g2_blocks: int, g1_layers: int = LAYERS
+) -> tuple[BlockStore, KvPages, BlockRefs, LeaseTable]:
+    clock = ManualClock()
+    pages = KvPages(g1_blocks, g1_layers, PAGE)
+    refs = BlockRefs()
+    leases = LeaseTable(clock, LeaseLimits(quota_octets=1 << 20, max_ttl_ms=10_000))
+    data: dict[Tier, TierData] = {"device": pages, "host": MemoryTier()}
+    tiers = [TierSpec("device", pages.capacity), TierSpec("host", g2_blocks * BLOCK, 96_000)]
+    store = BlockStore(tiers, data, Protected(leases, refs), clock, HOLDER, 10_000)
+    return store, pages, refs, leases
 
 
-def test_lru_eviction_order_with_demotion_to_g2_then_drop() -> None:
-    pool = KvPool(g1_blocks=2, g2_blocks=2)
-    for k in keys(1, 2):
-        pool.admit(k)
-    assert pool.eviction_order("g1") == keys(1, 2)
-    pool.acquire(keys(1))
-    pool.release(keys(1))  # k1 used last: k2 goes first now
-    assert pool.eviction_order("g1") == keys(2, 1)
-    pool.take_events()
-    pool.admit("k3")
-    assert pool.take_events() == [
-        Demoted("k2"),
-        Admitted("k2", "g2"),
-        Evicted("k2", "g1", gone=False),
-        Admitted("k3", "g1"),
-    ]
-    assert pool.tiers("k2") == ("g2",)
-    pool.admit("k4")  # k1 demoted; G2 holds k2, k1
-    pool.admit("k5")  # k3 demoted: G2 full, so its first victim (k2) is dropped
-    events = pool.take_events()
-    assert Evicted("k2", "g2", gone=True) in events
-    assert "k2" not in pool
-    assert pool.eviction_order("g2") == keys(1, 3)
-    assert (pool.used("g1"), pool.used("g2")) == (2, 2)
+def split(g1_layers: int) -> list[tuple[Tier, tuple[int, int]]]:
+    return [("device", (0, g1_layers - 1)), ("host", (g1_layers, LAYERS - 1))]
 
 
-def test_blocks_in_use_are_never_evicted() -> None:
-    pool = KvPool(g1_blocks=2, g2_blocks=0)
-    pool.admit("k1")
-    pool.admit("k2")
-    pool.acquire(keys(1, 2))
+def put(store: BlockStore, n: int, placement: list[tuple[Tier, tuple[int, int]]] | None = None
+        ) -> BlockId:  # fmt: skip
+    meta, data, _ = stored(n)
+    store.put(block_id(n), meta, data, placement)
+    return block_id(n)
+
+
+def read(store: BlockStore, block: BlockId) -> bytes:
+    found = store.get(block)
+    return b"".join(bytes(p) for p in found.parts)
+
+
+def test_pages_round_trip_bit_exact_and_return_to_the_free_list() -> None:
+    pages = KvPages(blocks=2, layers=LAYERS, page_octets=PAGE)
+    meta, data, _ = stored(1)
+    assert pages.free_pages == 8
+    pages.write(block_id(1), meta, (0, 3), [data])
+    assert pages.free_pages == 4
+    assert bytes(pages.read(block_id(1), meta, (0, 3), (0, 3))) == bytes(data)
+    assert bytes(pages.read(block_id(1), meta, (0, 3), (2, 3))) == bytes(data[2 * PAGE :])
+    pages.delete(block_id(1))
+    assert pages.free_pages == 8
+    pages.delete(block_id(1))  # deleting twice gives nothing back twice
+    assert pages.free_pages == 8
+
+
+def test_a_read_is_a_copy_that_a_reused_page_cannot_change() -> None:
+    pages = KvPages(blocks=1, layers=LAYERS, page_octets=PAGE)
+    meta1, data1, _ = stored(1)
+    meta2, data2, _ = stored(2)
+    pages.write(block_id(1), meta1, (0, 3), [data1])
+    out = pages.read(block_id(1), meta1, (0, 3), (0, 3))
+    pages.delete(block_id(1))
+    pages.write(block_id(2), meta2, (0, 3), [data2])
+    assert bytes(out) == bytes(data1)
+
+
+def test_pages_are_bounded_and_take_only_whole_pages() -> None:
+    pages = KvPages(blocks=1, layers=2, page_octets=PAGE)
+    meta, data, _ = stored(1)
     with pytest.raises(CapacityExhausted):
-        pool.admit("k3")
-    assert pool.tiers("k1") == ("g1",)
-    pool.release(keys(2))
-    pool.admit("k3")
-    assert "k2" not in pool
-    assert pool.refs("k1") == 1
+        pages.write(block_id(1), meta, (0, 3), [data])
+    odd, odd_data, _ = stored(2, section=32)  # another geometry: half a page per layer
+    assert not pages.accepts(odd, (0, 3))
+    with pytest.raises(ValueError, match="exactly one page"):
+        pages.write(block_id(2), odd, (0, 3), [odd_data])
+    with pytest.raises(ConfigurationError):
+        KvPages(blocks=0, layers=2, page_octets=PAGE)
 
 
-def test_longest_prefix_prefers_g1_then_g2() -> None:
-    pool = KvPool(g1_blocks=4, g2_blocks=4)
-    for k in keys(1, 2):
-        pool.admit(k)
-    pool.admit("k3", "g2")
-    assert pool.longest_prefix(keys(1, 2, 3, 4)) == Prefix(g1=2, g2=1)
-    pool.free_g1("k1")  # k1 is nowhere else: gone
-    assert pool.longest_prefix(keys(1, 2, 3)) == Prefix(0, 0)
-    pool.admit("k1", "g2")
-    assert pool.longest_prefix(keys(1, 2, 3)).total == 3
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 5)), max_size=60))
+def test_pages_never_leak_or_overlap(steps: list[tuple[bool, int]]) -> None:
+    """Any sequence of writes and deletes: held pages are distinct and free + held = all."""
+    pages = KvPages(blocks=3, layers=LAYERS, page_octets=PAGE)
+    held: dict[BlockId, bytes] = {}
+    for write, n in steps:
+        block = block_id(n)
+        if write and (len(held) < 3 or block in held):
+            meta, data, _ = stored(n)
+            pages.write(block, meta, (0, 3), [data])
+            held[block] = bytes(data)
+        else:
+            pages.delete(block)
+            held.pop(block, None)
+        assert pages.free_pages == 12 - LAYERS * len(held)
+    for block, octets in held.items():
+        meta, _, _ = stored(0)
+        assert bytes(pages.read(block, meta, (0, 3), (0, 3))) == octets
 
 
-def test_misuse_is_refused() -> None:
-    pool = KvPool(1, 1)
-    with pytest.raises(KeyError):
-        pool.acquire(keys(9))
-    pool.admit("k1")
-    with pytest.raises(ValueError, match="not in use"):
-        pool.release(keys(1))
+def test_reference_counts() -> None:
+    refs = BlockRefs()
+    a, b = block_id(1), block_id(2)
+    refs.acquire([a, a, b])
+    assert (refs.count(a), refs.count(b)) == (2, 1)
+    assert set(refs.leased_blocks()) == {a, b}
+    refs.release([a, b])
+    assert refs.leased(a)
+    assert not refs.leased(b)
+    refs.release([a])
+    assert not refs.leased(a)
+    assert refs.count(a) == 0
+    with pytest.raises(ValueError, match="more often"):
+        refs.release([a])
 
 
-@given(
-    st.lists(
-        st.tuples(st.sampled_from(["admit", "admit2", "use", "done", "free"]), st.integers(0, 9)),
-        max_size=80,
-    )
-)
-def test_capacities_and_references_always_hold(ops: list[tuple[str, int]]) -> None:
-    pool = KvPool(g1_blocks=3, g2_blocks=3)
-    in_use: dict[str, int] = {}
-    for op, n in ops:
-        key = f"k{n}"
-        try:
-            if op == "admit":
-                pool.admit(key)
-            elif op == "admit2":
-                pool.admit(key, "g2")
-            elif op == "use" and key in pool:
-                pool.acquire([key])
-                in_use[key] = in_use.get(key, 0) + 1
-            elif op == "done" and in_use.get(key):
-                pool.release([key])
-                in_use[key] -= 1
-            elif op == "free":
-                pool.free_g1(key)
-        except CapacityExhausted:
-            pass
-        assert pool.used("g1") <= 3
-        assert pool.used("g2") <= 3
-        for k, count in in_use.items():
-            if count:
-                assert k in pool  # a block in use is never evicted
-                assert pool.refs(k) == count
-        gone = {e.key for e in pool.take_events() if isinstance(e, Evicted) and e.gone}
-        assert not any(k in pool for k in gone)
+def test_lru_demotes_g1_to_g2_before_anything_is_dropped_withdrawing_first() -> None:
+    store, pages, _, _ = pool(g1_blocks=2, g2_blocks=1)
+    b1, b2 = put(store, 1), put(store, 2)
+    assert [store.spans(b) for b in (b1, b2)] == [{"device": (0, 3)}] * 2
+    store.get(b1)  # b1 used last: b2 is G1's victim
+    store.take_effects()
+    b3 = put(store, 3)
+    assert store.spans(b2) == {"host": (0, 3)}
+    assert store.spans(b3) == {"device": (0, 3)}
+    effects = store.take_effects()
+    assert [type(e) for e in effects] == [Publish, Publish]  # b2 moved, b3 stored; nothing gone
+    assert effects[0].record.residency[0].tier == "host"  # type: ignore[union-attr]
+    put(store, 4)  # G1's victim b1 goes to G2, whose own victim b2 is dropped
+    assert b2 not in store
+    assert store.spans(b1) == {"host": (0, 3)}
+    effects = store.take_effects()
+    assert isinstance(effects[0], Withdraw)
+    assert effects[0].ref.block_key == b2[2]
+    assert pages.free_pages == 0
+    assert read(store, b1) == bytes(stored(1)[1])  # bit-exact after G1 -> G2
+
+
+def test_first_layers_in_g1_and_the_rest_in_g2_are_reported_per_layer_range() -> None:
+    store, pages, _, _ = pool(g1_blocks=2, g2_blocks=4, g1_layers=3)
+    b1 = put(store, 1, split(3))
+    record = store.record(b1)
+    assert [(r.tier, r.layers, r.read_mbit_per_s) for r in record.residency] == [
+        ("device", (0, 2), None),
+        ("host", (3, 3), 96_000),
+    ]
+    assert read(store, b1) == bytes(stored(1)[1])
+    assert bytes(b"".join(store.get(b1, 2, 3).parts)) == bytes(stored(1)[1][2 * PAGE :])
+    put(store, 2, split(3))
+    put(store, 3, split(3))  # G1 holds two blocks' first layers: b1's move to G2, merged
+    assert store.spans(b1) == {"host": (0, 3)}
+    assert pages.free_pages == 0
+
+
+def test_blocks_in_use_are_never_moved_and_new_blocks_go_to_g2() -> None:
+    store, _, refs, _ = pool(g1_blocks=2, g2_blocks=2)
+    b1, b2 = put(store, 1), put(store, 2)
+    refs.acquire([b1, b2])
+    b3 = put(store, 3)  # G1 is all in use: the new block goes to G2
+    assert store.spans(b3) == {"host": (0, 3)}
+    assert [store.spans(b) for b in (b1, b2)] == [{"device": (0, 3)}] * 2
+    refs.release([b1])
+    put(store, 4)
+    assert store.spans(b1) == {"host": (0, 3)}  # released: now it may move
+    refs.acquire([b3])
+    put(store, 5)  # G1: b4 moves to G2, where b1 (not b3, in use) goes
+    assert b3 in store
+    assert b1 not in store
+
+
+def test_a_block_g1_cannot_page_goes_to_g2() -> None:
+    store, _, _, _ = pool(g1_blocks=2, g2_blocks=2)
+    meta, data, _ = stored(9, section=32)
+    store.put(block_id(9), meta, data)
+    assert store.spans(block_id(9)) == {"host": (0, 3)}
+    with pytest.raises(ValueError, match="cannot keep"):
+        store.put(block_id(8), *stored(8, section=32)[:2], placement=split(2))

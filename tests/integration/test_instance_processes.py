@@ -106,16 +106,16 @@ async def test_cached_prefixes_local_and_remote_give_the_recomputed_tokens(
         cold = await generate(a.base_url, PROMPT, 24)
         assert cold["tokens"] == reference
         assert cold["summary"]["cached_tokens"] == 0
-        warm = await generate(a.base_url, PROMPT, 24)  # another session: blocks from G2
+        warm = await generate(a.base_url, PROMPT, 24)  # another session: blocks from G1
         assert warm["tokens"] == reference
-        assert warm["summary"]["cached_tokens"] == 48
+        assert warm["summary"]["cached"] == {"g1": 48}
         for _ in range(50):  # the blocks' records reach the IS
             remote = await generate(b.base_url, PROMPT, 24)
             if remote["summary"]["cached_tokens"]:
                 break
             await asyncio.sleep(0.1)
         assert remote["tokens"] == reference
-        assert remote["summary"]["cached_tokens"] == 48  # fetched from A or the holder
+        assert remote["summary"]["cached"] == {"remote": 48}  # from A or the holder
         assert [x["index"] for x in remote["lines"]] == list(range(len(reference)))
     for service in (a, b):
         assert service.log.count(b"Traceback") == 0
@@ -372,7 +372,7 @@ def _pieces(old: dict[str, Any], new: dict[str, Any], url: str) -> int:
     return len(plans[url].fetch) if url in plans else 0
 
 
-async def test_a_sessions_next_turn_reuses_its_working_state_in_g1(
+async def test_a_sessions_next_turn_reuses_its_blocks_from_g1(
     tmp_path: Path, engine: Engine, compat: str
 ) -> None:
     greedy = Sampler(method="greedy", deterministic=True)
@@ -380,13 +380,65 @@ async def test_a_sessions_next_turn_reuses_its_working_state_in_g1(
     a = cluster.instance()
     session = str(uuid.uuid4())
     with running(cluster.index, cluster.holder, a):
-        first = await generate(a.base_url, PROMPT, 8, session=session)
+        first = await generate(a.base_url, PROMPT, 20, session=session)
         turn = PROMPT + first["tokens"] + [13, 1073, 314]  # the reply, then the user goes on
         expected = list(engine.generate(KvState(), turn, greedy, 8))
         second = await generate(a.base_url, turn, 8, session=session)
         assert second["tokens"] == expected
-        # everything the first turn computed (all but its last token) came from G1
-        assert second["summary"]["cached_tokens"] == len(PROMPT) + len(first["tokens"]) - 1
+        # the first turn computed 69 tokens: its 4 whole blocks, output included, come from G1
+        assert second["summary"]["cached"] == {"g1": 64}
+
+
+async def _residency(index: str, compat: str, tokens: list[int], holder: str) -> list[list[Any]]:
+    """The residency at ``holder`` of the first block of ``tokens``, as the IS has it."""
+    key = block_keys(bytes.fromhex(SCOPE_KEY), parse_compat_id(compat), tokens[:16], 16)[0]
+    body = {"scope_id": scope_id(bytes.fromhex(SCOPE_KEY)).hex(), "compat_id": compat,
+            "block_keys": [key.hex()]}  # fmt: skip
+    async with httpx.AsyncClient(timeout=30) as http:
+        answer = (await http.post(index + "lookup", json=body)).json()
+    replicas = answer["replicas"][0] if answer["matched"] else []
+    return [
+        [r["tier"], r["layers"]]
+        for rec in replicas
+        if rec["holder"] == holder
+        for r in rec["residency"]
+    ]
+
+
+async def _eventually(check: Any, expected: Any) -> None:
+    for _ in range(100):
+        if (found := await check()) == expected:
+            return
+        await asyncio.sleep(0.1)
+    assert found == expected
+
+
+async def test_g1_pages_first_layers_residency_and_lru_demotion_to_g2(
+    tmp_path: Path, reference: list[int], compat: str
+) -> None:
+    """G1 of 4 blocks keeping layers 0-19 (the rest in G2): the records say so; another
+    prompt's blocks push the first ones to G2 (records updated), and they are still reused."""
+    cluster = Cluster(tmp_path, compat)
+    a = cluster.instance("--g1-blocks", "4", "--g1-layers", "20")
+    other = [PROMPT[0] + 1, *PROMPT[1:]]  # every block key differs
+    with running(cluster.index, cluster.holder, a):
+        cold = await generate(a.base_url, PROMPT, 24)
+        assert cold["tokens"] == reference
+        assert cold["summary"]["cached"] == {}
+        held = lambda: _residency(cluster.index.base_url, compat, PROMPT, a.base_url)  # noqa: E731
+        await _eventually(held, [["device", [0, 19]], ["host", [20, 29]]])
+        warm = await generate(a.base_url, PROMPT, 24)
+        assert warm["tokens"] == reference
+        assert warm["summary"]["cached"] == {"g1": 48}
+        await generate(a.base_url, other, 24)  # 4 new blocks: G1's least recent go to G2
+        await _eventually(held, [["host", [0, 29]]])
+        again = await generate(a.base_url, PROMPT, 24)
+        assert again["tokens"] == reference
+        assert again["summary"]["cached"] == {"g2": 48}
+        async with httpx.AsyncClient() as http:
+            metrics = (await http.get(a.base_url + "metrics")).text
+        assert 'kvsp_holder_demotions_total{tier="device"}' in metrics
+    assert a.log.count(b"Traceback") == 0
 
 
 async def _first_token_seconds(base: str, tokens: list[int]) -> tuple[float, dict[str, Any]]:

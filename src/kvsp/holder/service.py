@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from kvsp.auth import Principal, Role, authorize
 from kvsp.core.clock import Clock, SystemClock
 from kvsp.core.container import Container
-from kvsp.core.problems import AlreadyStored, ConfigurationError, KvspError
+from kvsp.core.problems import AlreadyStored, CapacityExhausted, ConfigurationError, KvspError
 from kvsp.core.records import LeaseGrant, LeaseRequest, ReplicaRecord, ReplicaRef
 from kvsp.core.registries import Tier
 from kvsp.core.urls import canonical_url
@@ -38,6 +38,8 @@ from kvsp.holder.store import (
     BlockRead,
     BlockStore,
     Effect,
+    LeaseView,
+    Protected,
     Publish,
     TierData,
     TierSpec,
@@ -66,14 +68,16 @@ class HolderConfig:
     disk_bytes: int = 0
     leases: LeaseLimits = field(default_factory=LeaseLimits)
     record_ttl_ms: int = 600_000
-    #: read rates reported in Replica Records (memory is not worth reporting)
+    #: read rates reported in Replica Records (a holder's own memory is not worth reporting;
+    #: an instance reports its host tier, since its device tier is faster)
     disk_read_mbit_per_s: float = 16_000.0
+    host_read_mbit_per_s: float | None = None
     max_block_octets: int = 256 << 20
     index_url: str | None = None
     index_token: str | None = None
 
     def tiers(self) -> tuple[list[TierSpec], dict[Tier, TierData]]:
-        specs = [TierSpec("host", self.host_bytes)]
+        specs = [TierSpec("host", self.host_bytes, self.host_read_mbit_per_s)]
         data: dict[Tier, TierData] = {"host": MemoryTier()}
         if self.disk_dir is not None:
             specs.append(TierSpec("disk", self.disk_bytes, self.disk_read_mbit_per_s))
@@ -85,9 +89,17 @@ class HolderConfig:
 
 class HolderService:
     def __init__(
-        self, config: HolderConfig, clock: Clock | None = None, index: IndexClient | None = None
+        self,
+        config: HolderConfig,
+        clock: Clock | None = None,
+        index: IndexClient | None = None,
+        device: tuple[int, TierData] | None = None,
+        in_use: LeaseView | None = None,
     ) -> None:
-        """``index`` replaces the client built from ``config.index_url`` (tests pass one)."""
+        """``index`` replaces the client built from ``config.index_url`` (tests pass one).
+        An inference instance adds its ``device`` tier (capacity, octets) in front of the
+        others, and the blocks its running requests use (``in_use``), which pressure never
+        moves or drops, like leased ones."""
         parts = urlsplit(config.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigurationError(f"holder URL {config.url!r} is not an http(s) URL")
@@ -95,11 +107,13 @@ class HolderService:
         self.url = canonical_url(config.url)
         self.clock = clock or SystemClock()
         specs, data = config.tiers()
+        if device is not None:
+            specs.insert(0, TierSpec("device", device[0]))
+            data["device"] = device[1]
         self._disk = data.get("disk")
         self.leases = LeaseTable(self.clock, config.leases)
-        self.store = BlockStore(
-            specs, data, self.leases, self.clock, self.url, config.record_ttl_ms
-        )
+        protected: LeaseView = self.leases if in_use is None else Protected(self.leases, in_use)
+        self.store = BlockStore(specs, data, protected, self.clock, self.url, config.record_ttl_ms)
         self.capacities = {s.name: s.capacity for s in specs}
         if index is None and config.index_url is not None:
             index = IndexClient(config.index_url, config.index_token)
@@ -122,7 +136,7 @@ class HolderService:
 
     # -- running -------------------------------------------------------------------------------
 
-    async def _run(self, fn: Callable[[], T]) -> T:
+    async def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the store's thread, then queue the effects it left."""
 
         def call() -> tuple[T, list[Effect]]:
@@ -141,7 +155,7 @@ class HolderService:
     async def start(self) -> None:
         """Take back what the disk tier kept over a restart, then start publishing."""
         if isinstance(self._disk, DiskTier):
-            restored, failed = await self._run(self._restore)
+            restored, failed = await self.call(self._restore)
             log.info("disk tier: %d blocks restored, %d removed", restored, len(failed))
             self._queue([Withdraw(self._ref(block)) for block in failed])
         self._tasks = [
@@ -232,7 +246,7 @@ class HolderService:
         period = min(1.0, self.config.record_ttl_ms / 4000)
         while True:
             await asyncio.sleep(period)
-            await self._run(self.store.refresh_due)
+            await self.call(self.store.refresh_due)
 
     # -- blocks --------------------------------------------------------------------------------
 
@@ -241,31 +255,38 @@ class HolderService:
         authorize(principal, BLOCK_ROLES, scope=block[1])
         return await self.store_block(block, body)
 
-    async def store_block(self, block: BlockId, body: bytes) -> ReplicaRecord:
+    async def store_block(
+        self,
+        block: BlockId,
+        body: bytes,
+        placement: Sequence[tuple[Tier, tuple[int, int]]] | None = None,
+        use: Callable[[BlockId], None] | None = None,
+    ) -> ReplicaRecord:
         """Store a whole block's container octets (the holder's own blocks: no caller to
-        authorize); ``AlreadyStored`` if it is held."""
+        authorize); ``AlreadyStored`` if it is held. ``placement`` is preferred where its tiers
+        have room, else the block goes where the store puts it; ``use`` is called with the
+        block, on the store's thread, once it is held (or if it already was)."""
 
         def put() -> ReplicaRecord:
             if block in self.store:  # before hashing megabytes for nothing
+                if use is not None:
+                    use(block)
                 raise AlreadyStored(f"{block_ref(block)} is already held here")
             container = Container.parse(body, max_octets=self.config.max_block_octets)
             meta = BlockMeta.of(container)
-            record = self.store.put(block, meta, container.parts[1])  # type: ignore[arg-type]
+            data: memoryview = container.parts[1]  # type: ignore[assignment]
+            try:
+                record = self.store.put(block, meta, data, placement)
+            except CapacityExhausted:
+                if placement is None:
+                    raise
+                record = self.store.put(block, meta, data)
             self._repr[block] = container.sha256()
+            if use is not None:
+                use(block)
             return record
 
-        return await self._run(put)
-
-    async def read_block(self, block: BlockId) -> Container | None:
-        """A held block as a container (every layer), or None; counts as a use."""
-
-        def read() -> Container | None:
-            if block not in self.store:
-                return None
-            found = self.store.get(block)
-            return Container.parse(b"".join([found.header.encode(), *found.parts]))
-
-        return await self._run(read)
+        return await self.call(put)
 
     async def get_block(
         self, principal: Principal, block: BlockId, layers: tuple[int, int] | None
@@ -288,7 +309,7 @@ class HolderService:
                     self._repr[block] = digest
             return read, digest
 
-        return await self._run(get)
+        return await self.call(get)
 
     # -- leases --------------------------------------------------------------------------------
 
@@ -302,13 +323,13 @@ class HolderService:
                 sizes.append((block, self.store.meta(block).size))  # NotFound: nothing granted
             return self.leases.grant(principal.name, sizes, request.ttl_ms)
 
-        return await self._run(grant)
+        return await self.call(grant)
 
     async def renew_lease(self, principal: Principal, lease: str, ttl_ms: int) -> LeaseGrant:
-        return await self._run(lambda: self.leases.renew(principal.name, lease, ttl_ms))
+        return await self.call(lambda: self.leases.renew(principal.name, lease, ttl_ms))
 
     async def release_lease(self, principal: Principal, lease: str) -> None:
-        await self._run(lambda: self.leases.release(principal.name, lease))
+        await self.call(lambda: self.leases.release(principal.name, lease))
 
     # -- health and metrics --------------------------------------------------------------------
 
@@ -328,7 +349,7 @@ class HolderService:
                 pending=len(self._pending),
             )
 
-        self._snapshot.figures = await self._run(read)
+        self._snapshot.figures = await self.call(read)
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,9 @@ __all__ = [
     "BlockStore",
     "Effect",
     "LeaseView",
+    "Protected",
     "Publish",
+    "Span",
     "StoreStats",
     "TierData",
     "TierSpec",
@@ -74,6 +76,10 @@ class TierSpec:
 class TierData(Protocol):
     """Where one tier keeps its octets: at most one contiguous layer range per block."""
 
+    def accepts(self, meta: BlockMeta, span: Span) -> bool:
+        """Whether this tier can keep ``span`` of such a block at all (room aside)."""
+        ...
+
     def write(
         self, block: BlockId, meta: BlockMeta, span: Span, data: Sequence[memoryview]
     ) -> None:
@@ -93,6 +99,25 @@ class LeaseView(Protocol):
     def leased(self, block: BlockId) -> bool: ...
 
     def leased_blocks(self) -> Iterable[BlockId]: ...
+
+
+class Protected:
+    """Blocks pressure must not move or drop: those any of the views holds (leased by a
+    client, or in use by a running request of an instance)."""
+
+    def __init__(self, *views: LeaseView) -> None:
+        self._views = views
+
+    def leased(self, block: BlockId) -> bool:
+        return any(view.leased(block) for view in self._views)
+
+    def leased_blocks(self) -> Iterable[BlockId]:
+        seen: set[BlockId] = set()
+        for view in self._views:
+            for block in view.leased_blocks():
+                if block not in seen:
+                    seen.add(block)
+                    yield block
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +284,7 @@ class BlockStore:
         if placement is None:
             octets = meta.range_octets(*whole)
             for spec in self._tiers:
-                if octets <= self._room(spec.name):
+                if octets <= self._room(spec.name) and self._data[spec.name].accepts(meta, whole):
                     return [(spec.name, whole)]
             raise CapacityExhausted(
                 f"no tier can take a block of {octets} octets (leased blocks hold the rest)"
@@ -270,6 +295,8 @@ class BlockStore:
         for i, (tier, (first, last)) in enumerate(plan):
             if tier not in self._spec or first != expected_first or last < first:
                 raise ValueError("a placement lists contiguous layer ranges in tier order")
+            if not self._data[tier].accepts(meta, (first, last)):
+                raise ValueError(f"tier {tier} cannot keep layers {first}-{last} of this block")
             if i and order.index(tier) <= order.index(plan[i - 1][0]):
                 raise ValueError("a placement lists contiguous layer ranges in tier order")
             expected_first = last + 1

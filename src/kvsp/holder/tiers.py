@@ -44,6 +44,9 @@ class MemoryTier:
     def __init__(self) -> None:
         self._held: dict[BlockId, memoryview] = {}
 
+    def accepts(self, meta: BlockMeta, span: Span) -> bool:
+        return True
+
     def write(
         self, block: BlockId, meta: BlockMeta, span: Span, data: Sequence[memoryview]
     ) -> None:
@@ -73,6 +76,9 @@ class DiskTier:
     def __init__(self, directory: Path | str) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+
+    def accepts(self, meta: BlockMeta, span: Span) -> bool:
+        return True
 
     def path(self, block: BlockId) -> Path:
         compat, scope, key = block

@@ -1,14 +1,19 @@
 """The inference instance: the engine serving sessions, its KV cache speaking KVSP.
 
+- **Paged pool.** Blocks live in the embedded holder's tiered store: ``device`` (G1, fixed KV
+  pages, ``g1_blocks`` blocks, of which each keeps its first ``g1_layers`` layers there) before
+  ``host`` (G2, ``g2_bytes``). The store evicts least recently used first, demotes G1 victims to
+  G2 before dropping anything, withdraws every record before a drop, and reports per-layer
+  residency in the records. Blocks that a running request uses are referenced (``BlockRefs``)
+  and, like leased ones, never moved or dropped by pressure until it ends.
 - **Reuse.** A request's prompt is cut into Block Keys with its tenant's scope key. The longest
-  prefix comes from the session's own working state (G1, a later turn), else from blocks held here
-  (G2, the embedded holder), else from remote holders found through the Index Service (fetched
-  with every digest verified, and then held here too). Only the rest is computed; the last prompt
-  token always is, for the logits of the first output token.
+  prefix held here is read from G1 and G2, then the rest of it from remote holders found through
+  the Index Service (fetched with every digest verified, then held here too). Only the rest is
+  computed; the last prompt token always is, for the logits of the first output token. The
+  summary says how many tokens came from each tier.
 - **Holder role.** Every completed block, of the prompt or of the output, is exported as a KVB1
-  container into the embedded holder (which publishes it, serves it, honours leases and withdraws
-  before evicting) and, with ``offload_url``, copied to a standalone holder so that it survives
-  this process.
+  container into the pool (published, served, leasable) and, with ``offload_url``, copied to a
+  standalone holder so that it survives this process.
 - **Sessions (KVSP 6.8).** Output tokens carry their index and the session epoch. A checkpoint
   goes to the controller when a block of output completes and at least every 64 tokens; with a
   sampler that is not deterministic, tokens are released only up to the offset the controller has
@@ -42,6 +47,7 @@ from kvsp.core.ids import parse_block_key, parse_compat_id
 from kvsp.core.keys import BlockKeyChain
 from kvsp.core.problems import (
     AlreadyStored,
+    ConfigurationError,
     ContainerError,
     IllegalTransition,
     InvalidInput,
@@ -64,11 +70,14 @@ from kvsp.core.records import (
     Sampler,
     SessionCheckpoint,
 )
+from kvsp.core.registries import Tier
 from kvsp.core.urls import canonical_url
+from kvsp.holder.blocks import BlockId
 from kvsp.holder.client import HolderClient
 from kvsp.holder.service import HolderConfig, HolderService
 from kvsp.index.client import IndexClient
 from kvsp.instance.engine import Engine, KvState
+from kvsp.instance.kvpool import BlockRefs, KvPages
 from kvsp.instance.model import ModelFiles, installed
 from kvsp.instance.sampling import next_token
 from kvsp.instance.shards import HeldRange, ShardHoldings
@@ -85,9 +94,13 @@ _UNKNOWN = -1  # the id of a prompt token whose KV was imported from a block
 class InstanceConfig:
     url: str
     tenants: Tenants
+    #: G1 capacity in blocks (KV pages of the engine)
+    g1_blocks: int = 256
+    #: leading layers of each block kept in G1 (None: all); the rest go to G2
+    g1_layers: int | None = None
     g2_bytes: int = 1 << 30
-    #: session working states kept in engine memory
-    g1_sessions: int = 8
+    #: the rate G2 is read at, reported in Replica Records (memcpy on these machines)
+    g2_read_mbit_per_s: float = 96_000.0
     block_tokens: int = 16
     controller_url: str | None = None
     index_url: str | None = None
@@ -98,6 +111,8 @@ class InstanceConfig:
     release_batch: int = 4
     checkpoint_every: int = 64
     max_tokens: int = 256
+    #: finished sessions whose tokens stay readable (oldest forgotten first)
+    max_sessions: int = 1024
     model_home: Path | None = None
     threads: int | None = None
     #: ask the controller to sleep after this long with nothing to do (None: never)
@@ -138,10 +153,13 @@ class _Session:
     generated: list[int] = field(default_factory=list)
     released: int = 0
     acknowledged: int = 0
-    cached_tokens: int = 0
+    #: prompt tokens whose KV was reused, by where it came from (g1, g2, remote)
+    cached: dict[str, int] = field(default_factory=dict)
+    #: blocks this session uses (referenced until it ends), and its pending block stores
+    uses: list[BlockId] = field(default_factory=list)
+    stores: set[asyncio.Task[None]] = field(default_factory=set)
     done: bool = False
     error: str | None = None
-    state: KvState | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def key_of(self, index: int) -> str | None:
@@ -165,6 +183,10 @@ class _Session:
             sampler=self.sampler.model_copy(update={"step": n}),
         )
 
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.cached.values())
+
     def notify(self) -> None:
         self.changed.set()
         self.changed = asyncio.Event()
@@ -179,13 +201,28 @@ class InstanceService:
         self.compat_id = self.files.compat_id.hex()
         self.epoch = int(time.time() * 1000)
         self.state = InstanceState.ACTIVE
+        g = self.files.descriptor.geometry
+        g1_layers = g.layers if config.g1_layers is None else config.g1_layers
+        if not 1 <= g1_layers <= g.layers:
+            raise ConfigurationError(f"g1_layers must be 1 to {g.layers}")
+        self.pages = KvPages(config.g1_blocks, g1_layers, 2 * g.section_bytes(config.block_tokens))
+        #: where the instance's own blocks go: their first layers in G1, the rest in G2
+        self.placement: list[tuple[Tier, tuple[int, int]]] | None = (
+            None
+            if g1_layers == g.layers
+            else [("device", (0, g1_layers - 1)), ("host", (g1_layers, g.layers - 1))]
+        )
+        self.in_use = BlockRefs()
         self.holder = HolderService(
             HolderConfig(
                 url=config.url,
                 host_bytes=config.g2_bytes,
+                host_read_mbit_per_s=config.g2_read_mbit_per_s,
                 index_url=config.index_url,
                 index_token=config.token,
-            )
+            ),
+            device=(self.pages.capacity, self.pages),
+            in_use=self.in_use,
         )
         self.index = (
             None if config.index_url is None else IndexClient(config.index_url, config.token)
@@ -213,11 +250,12 @@ class InstanceService:
         await self.holder.start()
         self._spawn(self._status_loop())
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run ``work`` in the background; finished tasks let go of themselves."""
         task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def close(self) -> None:
         await cancel_all(list(self._tasks))
@@ -232,7 +270,6 @@ class InstanceService:
         return sum(1 for s in self.sessions.values() if not s.done)
 
     def status(self) -> InstanceStatusRecord:
-        g1 = sum(1 for s in self.sessions.values() if s.state is not None)
         links = [
             {"holder": holder, "mbit_per_s": rate, "rtt_us": rtt}
             for holder, (rate, rtt) in self.links.items()
@@ -245,7 +282,8 @@ class InstanceService:
                 "running": self.running(),
                 "queued": 0,
                 "batch_size": 1,
-                "kv_utilization": min(1.0, g1 / self.config.g1_sessions),
+                "kv_utilization": 1
+                - self.pages.free_pages * self.pages.page_octets / self.pages.capacity,
                 "prefill_tokens_per_s": self.prefill_rate,
                 "decode_tokens_per_s": self.decode_rate,
                 "links": links,
@@ -290,16 +328,36 @@ class InstanceService:
 
     # -- blocks --------------------------------------------------------------------------------
 
+    def _use(self, session: _Session, block: BlockId) -> None:
+        """``session`` uses ``block`` until it ends (called on the store's thread)."""
+        self.in_use.acquire([block])
+        session.uses.append(block)
+
+    async def _release(self, session: _Session) -> None:
+        uses, session.uses = session.uses, []
+        await self.holder.call(lambda: self.in_use.release(uses))
+
+    async def _hold(self, session: _Session, key: str, body: bytes) -> None:
+        """Hold a block in the pool, used by ``session``; with no room left (every block in
+        use) it is not held, which only costs a later recompute."""
+        block = (self.compat_id, session.tenant.scope_id, key)
+        try:
+            await self.holder.store_block(
+                block, body, self.placement, lambda b: self._use(session, b)
+            )
+        except AlreadyStored:
+            pass
+        except KvspError as exc:
+            log.warning("block %s not held: %s", key[:16], exc.detail)
+
     async def _store(self, session: _Session, index: int, body: bytes) -> None:
-        """Hold a completed block here (published by the holder) and copy it to the offload
-        holder."""
+        """Hold a completed block here and copy it to the offload holder."""
         key = session.key_of(index)
         if key is None:
             return
-        block = (self.compat_id, session.tenant.scope_id, key)
-        with contextlib.suppress(AlreadyStored):
-            await self.holder.store_block(block, body)
+        await self._hold(session, key, body)
         if self.config.offload_url is not None:
+            block = (self.compat_id, session.tenant.scope_id, key)
             try:
                 await self.peers.put(self.config.offload_url, block, Container.parse(body))
             except AlreadyStored:
@@ -325,22 +383,35 @@ class InstanceService:
             self.links[holder] = (0.7 * old[0] + 0.3 * rate, old[1])
         return container
 
-    async def _load(self, tenant: Tenant, keys: Sequence[str]) -> list[Container]:
-        """The longest prefix of ``keys`` held here or, through the IS, elsewhere."""
-        out: list[Container] = []
-        for key in keys:
-            found = await self.holder.read_block((self.compat_id, tenant.scope_id, key))
-            if found is None:
-                break
-            out.append(found)
+    async def _load(self, session: _Session, keys: Sequence[str]) -> list[Container]:
+        """The longest prefix of ``keys`` held here (G1, G2) or, through the IS, elsewhere;
+        the session uses every block loaded, and counts where its tokens came from."""
+        scope = session.tenant.scope_id
+        b = self.engine.block_tokens
+
+        def read_local() -> list[Container]:
+            store = self.holder.store
+            found = []
+            for key in keys:
+                block = (self.compat_id, scope, key)
+                if block not in store:
+                    break
+                read = store.get(block)
+                found.append(Container.parse(b"".join([read.header.encode(), *read.parts])))
+                # a block whose first layers are in G1 is a G1 hit: its later layers load
+                # while the first ones compute
+                tier = "g1" if "device" in store.spans(block) else "g2"
+                session.cached[tier] = session.cached.get(tier, 0) + b
+                self._use(session, block)
+            return found
+
+        out = await self.holder.call(read_local)
         rest = list(keys[len(out) :])
         if not rest or self.index is None:
             return out
         try:
             answer = await self.index.lookup(
-                LookupRequest(
-                    scope_id=tenant.scope_id, compat_id=self.compat_id, block_keys=tuple(rest)
-                )
+                LookupRequest(scope_id=scope, compat_id=self.compat_id, block_keys=tuple(rest))
             )
         except KvspError as exc:
             log.warning("index lookup failed: %s", exc.detail)
@@ -363,20 +434,18 @@ class InstanceService:
             if container is None:
                 break
             out.append(container)
-            with contextlib.suppress(AlreadyStored):
-                await self.holder.store_block(
-                    (self.compat_id, tenant.scope_id, key), container.tobytes()
-                )
+            session.cached["remote"] = session.cached.get("remote", 0) + b
+            await self._hold(session, key, container.tobytes())
         return out
 
     # -- generation ----------------------------------------------------------------------------
 
     def _admit(self, session: _Session) -> None:
+        self.sessions.pop(session.session, None)
         self.sessions[session.session] = session
-        self.sessions.move_to_end(session.session)
-        working = [s for s in self.sessions.values() if s.state is not None and s.done]
-        while len(working) >= self.config.g1_sessions:  # G1 full: the oldest idle state goes
-            working.pop(0).state = None
+        finished = [k for k, s in self.sessions.items() if s.done]
+        for key in finished[: max(0, len(self.sessions) - self.config.max_sessions)]:
+            del self.sessions[key]
 
     async def generate(
         self,
@@ -418,21 +487,16 @@ class InstanceService:
             tail,
             chain,
         )
-        previous = self.sessions.get(session.session)
-        state = None
-        if previous is not None and previous.state is not None and previous.done:
-            known = previous.state.tokens
-            if len(known) <= len(tokens) - 1 and list(tokens[: len(known)]) == known:
-                state = previous.state  # G1: the session's own working state
-        if state is None:
-            blocks = await self._load(tenant, prompt_blocks)
-            state = (
-                self.engine.state_from_blocks(blocks, tokens[: len(blocks) * b])
-                if blocks
-                else KvState()
-            )
-        session.cached_tokens = len(state)
-        session.state = state
+        try:
+            blocks = await self._load(session, prompt_blocks)
+        except BaseException:
+            await self._release(session)
+            raise
+        state = (
+            self.engine.state_from_blocks(blocks, tokens[: len(blocks) * b])
+            if blocks
+            else KvState()
+        )
         self._admit(session)
         rest = list(tokens[len(state) :])
         self._spawn(self._run(session, state, rest, 0))
@@ -472,13 +536,15 @@ class InstanceService:
         # every block key whose tokens are all known, except the block holding the last token
         keys = list(checkpoint.prompt_blocks) + [k.hex() for k in chain.keys]
         covered_max = (len(checkpoint.prompt_blocks) * b + len(known) - 1) // b
-        blocks = await self._load(tenant, keys[:covered_max])
-        if len(blocks) < len(checkpoint.prompt_blocks):
-            raise NotFound("the checkpoint's prompt blocks are not held anywhere reachable")
+        try:
+            blocks = await self._load(session, keys[:covered_max])
+            if len(blocks) < len(checkpoint.prompt_blocks):
+                raise NotFound("the checkpoint's prompt blocks are not held anywhere reachable")
+        except BaseException:
+            await self._release(session)
+            raise
         ids = [_UNKNOWN] * (len(checkpoint.prompt_blocks) * b) + known
         state = self.engine.state_from_blocks(blocks, ids[: len(blocks) * b])
-        session.cached_tokens = len(state)
-        session.state = state
         self._admit(session)
         rest = ids[len(state) :]
         session.max_tokens = max(session.max_tokens, len(session.generated))
@@ -520,6 +586,8 @@ class InstanceService:
             log.exception("session %s failed", session.session)
             session.error = repr(exc)
         await asyncio.sleep(0)  # let the last events land
+        await asyncio.gather(*session.stores, return_exceptions=True)
+        await self._release(session)
         session.done = True
         await self._checkpoint(session, final=True)
         session.notify()
@@ -527,7 +595,9 @@ class InstanceService:
     def _on_event(self, session: _Session, kind: str, value: Any) -> None:
         if kind == "block":
             index, body = value
-            self._spawn(self._store(session, index, body))
+            task = self._spawn(self._store(session, index, body))
+            session.stores.add(task)
+            task.add_done_callback(session.stores.discard)
             self._spawn(self._checkpoint(session))
             return
         session.generated.append(value)
@@ -577,6 +647,7 @@ class InstanceService:
                     "done": True,
                     "epoch": session.epoch,
                     "cached_tokens": session.cached_tokens,
+                    "cached": session.cached,
                     "generated": len(session.generated),
                     "error": session.error,
                 }
@@ -613,7 +684,7 @@ class InstanceService:
                     records[block.block_key] = list(found)
             for block in wanted:
                 key = (directive.compat_id, directive.scope_id, block.block_key)
-                if await self.holder.read_block(key) is not None:
+                if key in self.holder.store:
                     loaded.append(block.block_key)
                     continue
                 sources = {canonical_url(s) for s in block.sources}
@@ -636,7 +707,7 @@ class InstanceService:
                         with contextlib.suppress(KvspError):
                             await self.peers.release(holder, lease.lease)
                     with contextlib.suppress(AlreadyStored):
-                        await self.holder.store_block(key, container.tobytes())
+                        await self.holder.store_block(key, container.tobytes(), self.placement)
                     loaded.append(block.block_key)
                     break
                 else:
