@@ -10,8 +10,6 @@ from typing import Any
 import httpx
 import pytest
 
-from kvsp.auth import Principals
-from kvsp.core.clock import ManualClock
 from kvsp.core.digests import parse_repr_digest
 from kvsp.core.problems import (
     AlreadyStored,
@@ -21,90 +19,18 @@ from kvsp.core.problems import (
     LeaseQuotaExceeded,
     NotFound,
 )
-from kvsp.core.records import LeaseRequest, LookupRequest, ReplicaRecord
-from kvsp.holder.app import create_app
-from kvsp.holder.client import HolderClient
-from kvsp.holder.leases import LeaseLimits
-from kvsp.holder.service import HolderConfig, HolderService
-from kvsp.index.app import create_app as create_index_app
-from kvsp.index.client import IndexClient
-from kvsp.index.service import IndexService
-from kvsp.index.state import IndexLimits
-from kvsp.index.stores import MemoryReplicaStore
-from tests.holder.factories import COMPAT, OTHER_SCOPE, SCOPE, block_id, container
-from tests.principals import principal
-from tests.servers import free_port, serving
+from kvsp.core.records import LeaseRequest, ReplicaRecord
+from tests.holder.env import Env, holder_env
+from tests.holder.factories import COMPAT, SCOPE, block_id, container
+from tests.servers import serving
 
 pytestmark = pytest.mark.anyio
-
-INDEX = "http://index.test/kvsp/"
-BLOCK_DATA = 4 * 128
-
-
-def principals(holder: str) -> str:
-    return "\n".join(
-        [
-            principal("c1", ["client"], scopes=[SCOPE]),
-            principal("c2", ["client"], scopes=[SCOPE]),
-            principal("other", ["client"], scopes=[OTHER_SCOPE]),
-            principal("holder", ["holder"], [holder]),
-            principal("pc", ["controller"]),
-        ]
-    )
-
-
-class Env:
-    def __init__(self, holder: str, clock: ManualClock) -> None:
-        self.holder = holder
-        self.principals = Principals.parse(principals(holder))
-        self.index_service = IndexService(
-            MemoryReplicaStore(clock, IndexLimits(max_ttl_ms=600_000, max_records=1000))
-        )
-        index_app = create_index_app(self.index_service, self.principals)
-        self.index_transport = httpx.ASGITransport(app=index_app)
-        self.service = HolderService(
-            HolderConfig(
-                url=holder,
-                host_bytes=2 * BLOCK_DATA,
-                leases=LeaseLimits(quota_octets=2_000, max_ttl_ms=30_000),
-                record_ttl_ms=60_000,
-            ),
-            clock,
-            IndexClient(INDEX, "holder", transport=self.index_transport),
-        )
-        self.app = create_app(self.service, self.principals)
-        self.http = httpx.AsyncClient(base_url=holder)
-        self.clients: list[HolderClient] = []
-
-    def client(self, token: str | None) -> HolderClient:
-        self.clients.append(HolderClient(token))
-        return self.clients[-1]
-
-    async def settle(self) -> None:
-        """Wait until every index update has been delivered."""
-        await self.service.call(lambda: None)
-        if self.service._pending:
-            await self.service._flush()
-
-    async def lookup(self, *ns: int) -> int:
-        pc = IndexClient(INDEX, "pc", transport=self.index_transport)
-        request = LookupRequest(
-            scope_id=SCOPE, compat_id=COMPAT, block_keys=tuple(block_id(n)[2] for n in ns)
-        )
-        return (await pc.lookup(request)).matched
 
 
 @pytest.fixture
 async def env() -> AsyncIterator[Env]:
-    port = free_port()
-    e = Env(f"http://127.0.0.1:{port}/kvsp/", ManualClock())
-    async with serving(e.app, port):
-        try:
-            yield e
-        finally:
-            for client in e.clients:
-                await client.aclose()
-            await e.http.aclose()
+    async with holder_env() as e:
+        yield e
 
 
 def path(n: int, scope: str = SCOPE) -> str:

@@ -117,6 +117,14 @@ async def test_cached_prefixes_local_and_remote_give_the_recomputed_tokens(
         assert remote["tokens"] == reference
         assert remote["summary"]["cached"] == {"remote": 48}  # from A or the holder
         assert [x["index"] for x in remote["lines"]] == list(range(len(reference)))
+        async with httpx.AsyncClient() as http:
+            status = (await http.get(b.base_url + "status")).json()
+        links = {link["holder"]: link for link in status["links"]}
+        assert set(links) & {a.base_url, cluster.holder_url}  # where the blocks came from
+        for link in links.values():  # a measured transfer rate and round trip
+            assert link["mbit_per_s"] > 0
+            assert 0 < link["rtt_us"] < 1_000_000
+            assert link["rtt_us"] != 200.0  # not the default for an unmeasured link
     for service in (a, b):
         assert service.log.count(b"Traceback") == 0
 

@@ -189,6 +189,9 @@ def create_app(service: InstanceService, principals: Principals) -> Starlette:
             ).encode()
         )
 
+    async def status(_: Request) -> Response:
+        return json_response(service.status().model_dump_json(exclude_none=True).encode())
+
     async def metrics(_: Request) -> Response:
         await service.holder.refresh_metrics()
         return Response(generate_latest(service.holder.registry), media_type=CONTENT_TYPE_LATEST)
@@ -206,6 +209,7 @@ def create_app(service: InstanceService, principals: Principals) -> Starlette:
             Route(base + "shards/{map}", shard, methods=["GET"]),
             Route(base + "shards/{map}/load", load_shard, methods=["POST"]),
             Route(base + "shards/{map}/kv", shard_kv, methods=["GET"]),
+            Route(base + "status", status, methods=["GET"]),
             Route(base + "healthz", healthz, methods=["GET"]),
             Route(base + "metrics", metrics, methods=["GET"]),
         ],

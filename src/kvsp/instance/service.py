@@ -20,7 +20,7 @@
   acknowledged, checkpointing every ``release_batch`` tokens to bound the delay. A resume loads
   the checkpoint's blocks, recomputes what they do not cover, restores the sampler's step and
   continues with the new epoch.
-- **Prefetch (6.5)**, **status and lifecycle (6.3)**: see ``prefetch`` and ``_status_loop``.
+- **Prefetch (6.5)**: ``instance/prefetch.py``. **Status and lifecycle (6.3)**: ``_status_loop``.
 
 The engine runs on one worker thread; the event loop only moves messages, so HTTP, status and
 prefetch go on while a forward pass runs.
@@ -58,10 +58,8 @@ from kvsp.core.problems import (
 from kvsp.core.records import (
     InstanceState,
     InstanceStatusRecord,
-    LeaseRequest,
     LookupRequest,
     PrefetchDirective,
-    PrefetchState,
     PrefetchStatus,
     ReplicaRecord,
     ReshardAbort,
@@ -79,6 +77,7 @@ from kvsp.index.client import IndexClient
 from kvsp.instance.engine import Engine, KvState
 from kvsp.instance.kvpool import BlockRefs, KvPages
 from kvsp.instance.model import ModelFiles, installed
+from kvsp.instance.prefetch import Prefetcher
 from kvsp.instance.sampling import next_token
 from kvsp.instance.shards import HeldRange, ShardHoldings
 from kvsp.tasks import cancel_all
@@ -234,7 +233,9 @@ class InstanceService:
         )
         self.peers = HolderClient(config.token)
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
-        self.prefetches: dict[str, PrefetchStatus] = {}
+        self.prefetcher = Prefetcher(
+            self.holder, self.peers, self.index, self._fetch, self.placement
+        )
         self.shards = ShardHoldings()
         #: measured transfer rate (Mbit/s) and round trip (us) per holder fetched from
         self.links: dict[str, tuple[float, float]] = {}
@@ -660,78 +661,11 @@ class InstanceService:
         authorize(principal, Role.CONTROLLER)
         if self.state is not InstanceState.ACTIVE:
             raise ServiceUnavailable("prefetch goes to active instances only")
-        self.prefetches[directive.directive] = PrefetchStatus(
-            directive=directive.directive, state=PrefetchState.PENDING
-        )
-        self._spawn(self._prefetch(directive))
-
-    async def _prefetch(self, directive: PrefetchDirective) -> None:
-        loaded: list[str] = []
-        deadline = time.monotonic() + directive.deadline_ms / 1000
-
-        async def load() -> None:
-            wanted = list(directive.blocks)
-            records: dict[str, list[ReplicaRecord]] = {}
-            if self.index is not None:
-                answer = await self.index.lookup(
-                    LookupRequest(
-                        scope_id=directive.scope_id,
-                        compat_id=directive.compat_id,
-                        block_keys=tuple(b.block_key for b in wanted),
-                    )
-                )
-                for block, found in zip(wanted, answer.replicas, strict=False):
-                    records[block.block_key] = list(found)
-            for block in wanted:
-                key = (directive.compat_id, directive.scope_id, block.block_key)
-                if key in self.holder.store:
-                    loaded.append(block.block_key)
-                    continue
-                sources = {canonical_url(s) for s in block.sources}
-                for record in records.get(block.block_key, []):
-                    holder = canonical_url(record.holder)
-                    if holder not in sources:
-                        continue
-                    lease = await self.peers.lease(
-                        holder,
-                        LeaseRequest(
-                            compat_id=directive.compat_id,
-                            scope_id=directive.scope_id,
-                            block_keys=(block.block_key,),
-                            ttl_ms=directive.lease_ms,
-                        ),
-                    )
-                    try:
-                        container = await self._fetch(record)
-                    finally:
-                        with contextlib.suppress(KvspError):
-                            await self.peers.release(holder, lease.lease)
-                    with contextlib.suppress(AlreadyStored):
-                        await self.holder.store_block(key, container.tobytes(), self.placement)
-                    loaded.append(block.block_key)
-                    break
-                else:
-                    return  # chained keys: nothing after a block we cannot load is usable
-
-        state = PrefetchState.COMPLETE
-        try:
-            await asyncio.wait_for(load(), timeout=max(0.0, deadline - time.monotonic()))
-            if len(loaded) < len(directive.blocks):
-                state = PrefetchState.PARTIAL if loaded else PrefetchState.FAILED
-        except TimeoutError:
-            state = PrefetchState.PARTIAL if loaded else PrefetchState.FAILED
-        except KvspError as exc:
-            log.warning("prefetch %s: %s", directive.directive, exc.detail)
-            state = PrefetchState.PARTIAL if loaded else PrefetchState.FAILED
-        self.prefetches[directive.directive] = PrefetchStatus(
-            directive=directive.directive, state=state, loaded=tuple(loaded)
-        )
+        if self.prefetcher.accept(directive):
+            self._spawn(self.prefetcher.run(directive))
 
     def prefetch_status(self, directive: str) -> PrefetchStatus:
-        found = self.prefetches.get(directive)
-        if found is None:
-            raise NotFound(f"no directive {directive}")
-        return found
+        return self.prefetcher.status(directive)
 
     # -- sequence-sharded caches (6.9) ---------------------------------------------------------
 
