@@ -8,49 +8,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsp.core.clock import ManualClock
 from kvsp.core.problems import CapacityExhausted, ConfigurationError
-from kvsp.core.registries import Tier
 from kvsp.holder.blocks import BlockId
-from kvsp.holder.leases import LeaseLimits, LeaseTable
-from kvsp.holder.store import BlockStore, Protected, Publish, TierData, TierSpec, Withdraw
-from kvsp.holder.tiers import MemoryTier
+from kvsp.holder.store import Publish, Withdraw
 from kvsp.instance.kvpool import BlockRefs, KvPages
 from tests.holder.factories import block_id, stored
-
-HOLDER = "http://127.0.0.1:9201/kvsp/"
-LAYERS = 4
-PAGE = 128  # one layer of a factory block: K 64 + V 64 octets
-BLOCK = LAYERS * PAGE
-
-
-def pool(
-    g1_blocks: int, g2_blocks: int, g1_layers: int = LAYERS
-) -> tuple[BlockStore, KvPages, BlockRefs, LeaseTable]:
-    clock = ManualClock()
-    pages = KvPages(g1_blocks, g1_layers, PAGE)
-    refs = BlockRefs()
-    leases = LeaseTable(clock, LeaseLimits(quota_octets=1 << 20, max_ttl_ms=10_000))
-    data: dict[Tier, TierData] = {"device": pages, "host": MemoryTier()}
-    tiers = [TierSpec("device", pages.capacity), TierSpec("host", g2_blocks * BLOCK, 96_000)]
-    store = BlockStore(tiers, data, Protected(leases, refs), clock, HOLDER, 10_000)
-    return store, pages, refs, leases
-
-
-def split(g1_layers: int) -> list[tuple[Tier, tuple[int, int]]]:
-    return [("device", (0, g1_layers - 1)), ("host", (g1_layers, LAYERS - 1))]
-
-
-def put(store: BlockStore, n: int, placement: list[tuple[Tier, tuple[int, int]]] | None = None
-        ) -> BlockId:  # fmt: skip
-    meta, data, _ = stored(n)
-    store.put(block_id(n), meta, data, placement)
-    return block_id(n)
-
-
-def read(store: BlockStore, block: BlockId) -> bytes:
-    found = store.get(block)
-    return b"".join(bytes(p) for p in found.parts)
+from tests.instance.pools import BLOCK, LAYERS, PAGE, pool, put, read, split
 
 
 def test_pages_round_trip_bit_exact_and_return_to_the_free_list() -> None:
@@ -188,3 +151,39 @@ def test_a_block_g1_cannot_page_goes_to_g2() -> None:
     assert store.spans(block_id(9)) == {"host": (0, 3)}
     with pytest.raises(ValueError, match="cannot keep"):
         store.put(block_id(8), *stored(8, section=32)[:2], placement=split(2))
+
+
+def test_demote_then_promote_moves_layers_bit_exactly() -> None:
+    store, pages, _, _ = pool(g1_blocks=2, g2_blocks=2)
+    b1 = put(store, 1)
+    assert store.demote(b1)
+    assert store.spans(b1) == {"host": (0, 3)}
+    assert pages.free_pages == 8
+    assert not store.demote(b1)  # nothing left in G1
+    assert store.promote(b1, last=1)  # the first two layers back into G1
+    assert store.spans(b1) == {"device": (0, 1), "host": (2, 3)}
+    assert read(store, b1) == bytes(stored(1)[1])
+    assert store.promote(b1)
+    assert store.spans(b1) == {"device": (0, 3)}
+    assert not store.promote(b1)  # already there: a no-op
+    assert read(store, b1) == bytes(stored(1)[1])
+    assert store.used() == {"device": BLOCK, "host": 0}
+    residency = store.take_effects()[-1].record.residency  # type: ignore[union-attr]
+    assert [(r.tier, r.layers) for r in residency] == [("device", (0, 3))]
+
+
+def test_promotion_makes_room_and_protected_blocks_bound_it() -> None:
+    store, _, refs, _ = pool(g1_blocks=1, g2_blocks=2)
+    b1, b2 = put(store, 1), put(store, 2)  # b1 was G1's victim: now in G2
+    assert store.spans(b1) == {"host": (0, 3)}
+    assert store.promote(b1)  # b2 makes room for it
+    assert store.spans(b2) == {"host": (0, 3)}
+    refs.acquire([b1])
+    with pytest.raises(CapacityExhausted):
+        store.promote(b2)  # G1 holds only a block in use
+    assert store.spans(b2) == {"host": (0, 3)}
+    put(store, 3)  # G2 holds b2 and b3: both in use now, so b1 cannot be demoted
+    refs.acquire([b2, block_id(3)])
+    with pytest.raises(CapacityExhausted):
+        store.demote(b1)
+    assert store.spans(b1) == {"device": (0, 3)}

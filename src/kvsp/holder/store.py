@@ -308,12 +308,16 @@ class BlockStore:
 
     def _room(self, tier: Tier) -> int:
         """Octets a tier could offer by moving or dropping every block that is not leased."""
-        pinned = 0
+        return self._spec[tier].capacity - self._protected_octets(tier)
+
+    def _protected_octets(self, tier: Tier, other_than: BlockId | None = None) -> int:
+        """Octets of ``tier`` held by leased (protected) blocks, ``other_than`` aside."""
+        total = 0
         for block in self._leases.leased_blocks():
             entry = self._blocks.get(block)
-            if entry is not None and tier in entry.spans:
-                pinned += entry.meta.range_octets(*entry.spans[tier])
-        return self._spec[tier].capacity - pinned
+            if block != other_than and entry is not None and tier in entry.spans:
+                total += entry.meta.range_octets(*entry.spans[tier])
+        return total
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -436,18 +440,94 @@ class BlockStore:
 
     def _demote_or_drop(self, block: BlockId, tier: Tier, protect: set[BlockId]) -> None:
         entry = self._blocks[block]
-        span = entry.spans[tier]
-        octets = entry.meta.range_octets(*span)
-        names = [t.name for t in self._tiers]
-        lower = names[names.index(tier) + 1] if names.index(tier) + 1 < len(names) else None
-        if lower is not None and octets + self._lower_octets(entry, lower) <= self._room(lower):
-            self._make_room(lower, octets, protect | {block})
-            self._move(block, entry, tier, lower)
-            self.stats.demotions[tier] = self.stats.demotions.get(tier, 0) + 1
-            self._published(block, entry)
+        lower = self._below(tier)
+        if lower is not None and self._fits_below(entry, tier, lower):
+            self._demote(block, entry, tier, lower, protect)
         else:
             self.stats.evictions[tier] = self.stats.evictions.get(tier, 0) + 1
             self.drop(block)
+
+    def _below(self, tier: Tier) -> Tier | None:
+        names = [t.name for t in self._tiers]
+        i = names.index(tier) + 1
+        return names[i] if i < len(names) else None
+
+    def _fits_below(self, entry: _Block, tier: Tier, lower: Tier) -> bool:
+        octets = entry.meta.range_octets(*entry.spans[tier])
+        return octets + self._lower_octets(entry, lower) <= self._room(lower)
+
+    def _demote(
+        self, block: BlockId, entry: _Block, tier: Tier, lower: Tier, protect: set[BlockId]
+    ) -> None:
+        self._make_room(lower, entry.meta.range_octets(*entry.spans[tier]), protect | {block})
+        self._move(block, entry, tier, lower)
+        self.stats.demotions[tier] = self.stats.demotions.get(tier, 0) + 1
+        self._published(block, entry)
+
+    # -- explicit moves (KvHints) --------------------------------------------------------------
+
+    def demote(self, block: BlockId) -> bool:
+        """Move the block's layers in the fastest tier to the next one (a valid copy there
+        first, then the fast copy freed); False if it has none there. ``CapacityExhausted``
+        (nothing changed) when the next tier has no room that is not protected."""
+        entry = self._entry(block)
+        top = self._tiers[0].name
+        lower = self._below(top)
+        if top not in entry.spans or lower is None:
+            return False
+        if not self._fits_below(entry, top, lower):
+            raise CapacityExhausted(f"tier {lower} has no room that is not protected")
+        self._demote(block, entry, top, lower, set())
+        return True
+
+    def promote(self, block: BlockId, last: int | None = None) -> bool:
+        """Move layers ``0..last`` (default: all) into the fastest tier, making room there as
+        for a new block; False if they are there already. ``CapacityExhausted`` (nothing
+        changed) when that tier has no room that is not protected; ``ValueError`` when it
+        cannot keep such layers."""
+        entry = self._entry(block)
+        meta = entry.meta
+        top = self._tiers[0].name
+        hi = meta.layer_count - 1 if last is None else last
+        current = entry.spans.get(top)
+        if current is not None and current[1] >= hi:
+            return False
+        if not self._data[top].accepts(meta, (0, hi)):
+            raise ValueError(f"tier {top} cannot keep layers 0-{hi} of this block")
+        wanted = meta.range_octets(0, hi)
+        if self._protected_octets(top, block) + wanted > self._spec[top].capacity:
+            raise CapacityExhausted(f"tier {top} has no room that is not protected")
+        try:
+            held = [
+                (tier, span, self._data[tier].read(block, meta, span, span))
+                for tier, span in self._in_tier_order(entry)
+            ]
+        except DigestError as exc:
+            self.stats.digest_failures += 1
+            self.drop(block)
+            raise NotFound(f"{block_ref(block)} failed verification and was dropped") from exc
+        self._make_room(top, wanted - (meta.range_octets(*current) if current else 0), {block})
+        up: list[memoryview] = []
+        for tier, (a, b), data in held:
+            base = meta.offsets[a]
+            cut = meta.offsets[min(b, hi) + 1] - base
+            up.append(data[:cut])
+            if tier == top:
+                continue
+            self._used[tier] -= meta.range_octets(a, b)
+            if b > hi:  # this tier keeps the layers above ``hi``
+                self._data[tier].write(block, meta, (hi + 1, b), (data[cut:],))
+                entry.spans[tier] = (hi + 1, b)
+                self._used[tier] += meta.range_octets(hi + 1, b)
+            else:
+                self._data[tier].delete(block)
+                del entry.spans[tier]
+        self._data[top].write(block, meta, (0, hi), up)
+        self._used[top] += wanted - (meta.range_octets(*current) if current else 0)
+        entry.spans[top] = (0, hi)
+        self._touch(block, entry)
+        self._published(block, entry)
+        return True
 
     @staticmethod
     def _lower_octets(entry: _Block, lower: Tier) -> int:
@@ -471,6 +551,12 @@ class BlockStore:
         self._used[tier] -= octets
         self._used[lower] += octets
         self._push(lower, block, entry)
+
+    def _entry(self, block: BlockId) -> _Block:
+        entry = self._blocks.get(block)
+        if entry is None:
+            raise NotFound(f"{block_ref(block)} is not held here")
+        return entry
 
     # -- dropping ------------------------------------------------------------------------------
 

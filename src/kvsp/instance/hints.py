@@ -1,0 +1,364 @@
+"""KvHints, pure: the envelope, each action's payload, pins, and the execution of the local
+actions against the pool, each answered with an outcome.
+
+The envelope is the one vLLM merged and SGLang and Dynamo mirror, so one orchestrator can
+address any of them: ``{"protocol_version": "0.1", "message_id", "actions": [{"action_id",
+"action_type", "action_version", "payload"}]}``. Our action types are ``kv.share``,
+``kv.prefetch``, ``kv.demote``, ``kv.pin`` and ``kv.retain`` (the bare names are accepted too),
+version ``1.x``; their payload (docs/api.md) names a target, a session or exact block keys, and
+bounds. An action we do not implement, or cannot parse, is answered ``rejected`` with the
+reason; it never fails the envelope.
+
+Outcomes: ``accepted`` (done as asked), ``clipped`` (done, but less than asked: a shorter TTL, a
+lower priority, fewer blocks because of a limit or because some are not held, listed in
+``missing``), ``deferred`` (nothing done now because of a passing condition: no room that is not
+protected, a destination that did not answer; it may be sent again), ``rejected`` (invalid or
+not allowed), ``missing`` (none of the target blocks is held here).
+
+Semantics (all bounded, nothing a hint says can pin memory without bound or block a request):
+
+- Retain raises the blocks' eviction priority until a deadline (clipped to ``max_retain_ms`` and
+  ``max_priority``); they stay evictable.
+- Pin protects the blocks from ordinary eviction until a deadline (clipped to ``max_pin_ms``),
+  within a per-session and a total octet limit; with ``"tier": "g2"`` the blocks are demoted
+  first, so the pin holds G2 and leaves G1 free.
+- Demote makes sure a G2 copy exists, then frees the G1 pages (the store writes the copy before
+  it frees anything).
+- Prefetch promotes G2 -> G1 (a no-op for blocks already there).
+- Share (I/O, executed by the service) copies the blocks to another instance or holder.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvsp.core.clock import Clock
+from kvsp.core.problems import CapacityExhausted
+from kvsp.core.records import HttpUrl
+from kvsp.holder.blocks import BlockId
+from kvsp.holder.store import BlockStore
+
+__all__ = [
+    "ACTIONS",
+    "HintAction",
+    "HintLimits",
+    "HintOutcome",
+    "HintPayload",
+    "KvHints",
+    "LocalHints",
+    "Outcome",
+    "PinTable",
+    "action_name",
+    "parse_payload",
+]
+
+ACTIONS = ("share", "prefetch", "demote", "pin", "retain")
+Outcome = Literal["accepted", "clipped", "deferred", "rejected", "missing"]
+Hex32 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Hex16 = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+
+
+class HintAction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    action_id: Annotated[str, Field(min_length=1, max_length=256)]
+    action_type: Annotated[str, Field(min_length=1, max_length=64)]
+    action_version: Annotated[str, Field(min_length=1, max_length=16)]
+    payload: dict[str, Any]
+
+
+class KvHints(BaseModel):
+    """The envelope. Only protocol version 0.1 exists; another is refused whole."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    protocol_version: Literal["0.1"]
+    message_id: Annotated[str, Field(min_length=1, max_length=256)]
+    actions: Annotated[list[HintAction], Field(max_length=256)]
+
+
+class Target(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    session: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    scope_id: Hex16 | None = None
+    block_keys: Annotated[tuple[Hex32, ...], Field(min_length=1, max_length=4096)] | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Target:
+        if (self.session is None) == (self.block_keys is None):
+            raise ValueError("a target is a session or block keys, not both")
+        if self.block_keys is not None and self.scope_id is None:
+            raise ValueError("block keys need their scope_id")
+        return self
+
+
+class HintPayload(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    target: Target
+    ttl_ms: Annotated[int, Field(gt=0)] | None = None
+    priority: Annotated[int, Field(ge=0)] | None = None
+    destination: HttpUrl | None = None
+    tier: Literal["g1", "g2"] | None = None
+    #: resource limit: act on at most this many blocks, root first
+    limit_blocks: Annotated[int, Field(gt=0)] | None = None
+
+
+@dataclass(frozen=True)
+class HintLimits:
+    max_retain_ms: int = 600_000
+    max_priority: int = 100
+    max_pin_ms: int = 300_000
+    #: octets one session may keep pinned, and all sessions together
+    pin_session_bytes: int = 64 << 20
+    pin_total_bytes: int = 256 << 20
+
+
+@dataclass
+class HintOutcome:
+    action_id: str
+    action_type: str
+    outcome: Outcome
+    reason: str | None = None
+    #: blocks the action was carried out on
+    blocks: int = 0
+    missing: list[str] = field(default_factory=list)
+    ttl_ms: int | None = None
+    priority: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "action_id": self.action_id,
+            "action_type": self.action_type,
+            "outcome": self.outcome,
+            "blocks": self.blocks,
+        }
+        for name in ("reason", "ttl_ms", "priority"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.missing:
+            out["missing"] = self.missing
+        return out
+
+
+def action_name(action: HintAction) -> str | None:
+    """Our name for the action (``kv.pin`` and ``pin`` are the same), or None if we do not
+    implement it in this version."""
+    name = action.action_type.removeprefix("kv.")
+    if name not in ACTIONS or action.action_version.split(".")[0] != "1":
+        return None
+    return name
+
+
+def parse_payload(action: HintAction) -> HintPayload | str:
+    """The payload, or the reason it is invalid."""
+    try:
+        return HintPayload.model_validate(action.payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "payload"
+        return f"{where}: {first['msg']}"
+
+
+@dataclass(slots=True)
+class _Pin:
+    until_ms: int
+    owner: str
+    octets: int
+
+
+class PinTable:
+    """Pinned blocks until their deadlines, within octet limits (a ``LeaseView`` for the store).
+    Expiry costs O(expired): deadlines sit in a heap."""
+
+    def __init__(self, clock: Clock, limits: HintLimits) -> None:
+        self.clock = clock
+        self.limits = limits
+        self._pins: dict[BlockId, _Pin] = {}
+        self._ends: list[tuple[int, BlockId]] = []
+        self._octets: Counter[str] = Counter()
+
+    @property
+    def octets(self) -> int:
+        return sum(self._octets.values())
+
+    def octets_of(self, owner: str) -> int:
+        return self._octets[owner]
+
+    def until(self, block: BlockId) -> int | None:
+        pin = self._pins.get(block)
+        return None if pin is None or pin.until_ms <= self.clock.now_ms() else pin.until_ms
+
+    def leased(self, block: BlockId) -> bool:
+        return self.until(block) is not None
+
+    def leased_blocks(self) -> Iterable[BlockId]:
+        now = self.clock.now_ms()
+        return [b for b, p in self._pins.items() if p.until_ms > now]
+
+    def expire(self) -> list[BlockId]:
+        now = self.clock.now_ms()
+        gone = []
+        while self._ends and self._ends[0][0] <= now:
+            at, block = heapq.heappop(self._ends)
+            pin = self._pins.get(block)
+            if pin is not None and pin.until_ms == at:
+                self._forget(block, pin)
+                gone.append(block)
+        return gone
+
+    def _forget(self, block: BlockId, pin: _Pin) -> None:
+        del self._pins[block]
+        self._octets[pin.owner] -= pin.octets
+        if self._octets[pin.owner] <= 0:
+            del self._octets[pin.owner]
+
+    def pin(
+        self, owner: str, blocks: Sequence[tuple[BlockId, int]], until_ms: int
+    ) -> list[BlockId]:
+        """Pin blocks (with their octets) in order until ``until_ms`` while the limits allow;
+        the blocks pinned (a block already pinned keeps the later deadline and costs nothing
+        more)."""
+        self.expire()
+        done = []
+        total = self.octets
+        for block, octets in blocks:
+            pin = self._pins.get(block)
+            if pin is None:
+                if (
+                    self._octets[owner] + octets > self.limits.pin_session_bytes
+                    or total + octets > self.limits.pin_total_bytes
+                ):
+                    break
+                pin = self._pins[block] = _Pin(until_ms, owner, octets)
+                self._octets[owner] += octets
+                total += octets
+            elif until_ms > pin.until_ms:
+                pin.until_ms = until_ms
+            else:
+                done.append(block)
+                continue
+            heapq.heappush(self._ends, (until_ms, block))
+            done.append(block)
+        return done
+
+    def release(self, owner: str) -> int:
+        """Drop every pin ``owner`` holds (a session ended); how many."""
+        mine = [(b, p) for b, p in self._pins.items() if p.owner == owner]
+        for block, pin in mine:
+            self._forget(block, pin)
+        return len(mine)
+
+
+class LocalHints:
+    """Retain, Pin, Demote and Prefetch on this instance's pool. Runs on the store's thread."""
+
+    def __init__(
+        self, store: BlockStore, pins: PinTable, limits: HintLimits, g1_layers: int | None
+    ) -> None:
+        self.store = store
+        self.pins = pins
+        self.limits = limits
+        self.clock = store.clock
+        #: layers a promotion brings into G1 (None: all)
+        self.g1_last = None if g1_layers is None else g1_layers - 1
+
+    def prepare(
+        self, action: HintAction, payload: HintPayload, blocks: Sequence[BlockId]
+    ) -> tuple[HintOutcome, list[BlockId]]:
+        """The outcome so far and the blocks to act on: those of ``blocks`` held here, root
+        first, cut at ``limit_blocks``; the others are listed as missing (``missing`` when
+        none is held)."""
+        outcome = HintOutcome(action.action_id, action.action_type, "accepted")
+        held = [b for b in blocks if b in self.store]
+        outcome.missing = [b[2] for b in blocks if b not in self.store]
+        if not held:
+            outcome.outcome, outcome.reason = "missing", "no target block is held here"
+            return outcome, []
+        if outcome.missing:
+            outcome.outcome = "clipped"
+            outcome.reason = f"{len(outcome.missing)} target blocks are not held here"
+        if payload.limit_blocks is not None and len(held) > payload.limit_blocks:
+            held = held[: payload.limit_blocks]
+            outcome.outcome = "clipped"
+            outcome.reason = f"limited to {payload.limit_blocks} blocks"
+        return outcome, held
+
+    def run(
+        self,
+        action: str,
+        outcome: HintOutcome,
+        blocks: Sequence[BlockId],
+        payload: HintPayload,
+        owner: str,
+    ) -> HintOutcome:
+        """Carry out ``action`` on ``blocks`` (already resolved and held here), filling in and
+        returning ``outcome`` (which may already list missing blocks)."""
+        if action == "retain":
+            return self._retain(outcome, blocks, payload)
+        if action == "pin":
+            return self._pin(outcome, blocks, payload, owner)
+        move = self.store.demote if action == "demote" else self._promote
+        for block in blocks:
+            try:
+                move(block)
+            except CapacityExhausted as exc:
+                outcome.outcome = "deferred" if not outcome.blocks else "clipped"
+                outcome.reason = exc.detail
+                return outcome
+            outcome.blocks += 1
+        return outcome
+
+    def _promote(self, block: BlockId) -> bool:
+        return self.store.promote(block, self.g1_last)
+
+    def _retain(
+        self, outcome: HintOutcome, blocks: Sequence[BlockId], payload: HintPayload
+    ) -> HintOutcome:
+        ttl = payload.ttl_ms or self.limits.max_retain_ms
+        priority = 1 if payload.priority is None else payload.priority
+        granted_ttl = min(ttl, self.limits.max_retain_ms)
+        granted_priority = min(priority, self.limits.max_priority)
+        if (granted_ttl, granted_priority) != (ttl, priority):
+            outcome.outcome = "clipped"
+            outcome.reason = "TTL or priority above this instance's limits"
+        until = self.clock.now_ms() + granted_ttl
+        for block in blocks:
+            self.store.retain(block, granted_priority, until)
+        outcome.blocks = len(blocks)
+        outcome.ttl_ms, outcome.priority = granted_ttl, granted_priority
+        return outcome
+
+    def _pin(
+        self, outcome: HintOutcome, blocks: Sequence[BlockId], payload: HintPayload, owner: str
+    ) -> HintOutcome:
+        if payload.ttl_ms is None:
+            outcome.outcome, outcome.reason = "rejected", "a pin needs ttl_ms"
+            return outcome
+        granted = min(payload.ttl_ms, self.limits.max_pin_ms)
+        if granted < payload.ttl_ms:
+            outcome.outcome, outcome.reason = "clipped", f"TTL clipped to {granted} ms"
+        if payload.tier == "g2":
+            for block in blocks:
+                try:
+                    self.store.demote(block)
+                except CapacityExhausted as exc:
+                    outcome.outcome, outcome.reason = "deferred", exc.detail
+                    return outcome
+        sized = [(b, self.store.meta(b).size) for b in blocks]
+        pinned = self.pins.pin(owner, sized, self.clock.now_ms() + granted)
+        outcome.blocks, outcome.ttl_ms = len(pinned), granted
+        if not pinned and blocks:
+            outcome.outcome, outcome.reason = "rejected", "pin limits reached"
+        elif len(pinned) < len(blocks):
+            outcome.outcome = "clipped"
+            outcome.reason = f"pin limits reached after {len(pinned)} of {len(blocks)} blocks"
+        return outcome

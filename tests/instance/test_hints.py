@@ -1,0 +1,182 @@
+"""KvHints on the pool: each action's outcome with its blocks resident in G1, in G2 only, absent,
+and over limits; pins stay bounded under memory pressure; the envelope and payloads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from kvsp.core.clock import ManualClock
+from kvsp.holder.blocks import BlockId
+from kvsp.holder.store import BlockStore
+from kvsp.instance.hints import (
+    HintAction,
+    HintLimits,
+    HintOutcome,
+    KvHints,
+    LocalHints,
+    PinTable,
+    action_name,
+    parse_payload,
+)
+from tests.holder.factories import SCOPE, block_id
+from tests.instance.pools import pool, put
+
+
+class Env:
+    def __init__(self, g1: int = 2, g2: int = 2, limits: HintLimits | None = None) -> None:
+        self.clock = ManualClock()
+        self.limits = limits or HintLimits(pin_session_bytes=10_000, pin_total_bytes=10_000)
+        self.pins = PinTable(self.clock, self.limits)
+        self.store: BlockStore
+        self.store, self.pages, self.refs, _ = pool(g1, g2, 4, self.clock, self.pins)
+        self.hints = LocalHints(self.store, self.pins, self.limits, None)
+
+    def act(self, kind: str, blocks: list[BlockId], owner: str = "s1", **payload: Any
+            ) -> HintOutcome:  # fmt: skip
+        target = {"scope_id": SCOPE, "block_keys": [b[2] for b in blocks]}
+        action = HintAction(
+            action_id="a1",
+            action_type=f"kv.{kind}",
+            action_version="1.0",
+            payload={"target": target, **payload},
+        )
+        parsed = parse_payload(action)
+        assert not isinstance(parsed, str), parsed
+        outcome, held = self.hints.prepare(action, parsed, blocks)
+        if not held:
+            return outcome
+        return self.hints.run(kind, outcome, held, parsed, owner)
+
+
+def tiers(store: BlockStore, block: BlockId) -> list[str]:
+    return list(store.spans(block))
+
+
+def test_demote_from_g1_g2_only_absent_and_without_room() -> None:
+    env = Env(g1=2, g2=1)
+    b1, b2 = put(env.store, 1), put(env.store, 2)
+    out = env.act("demote", [b1])
+    assert (out.outcome, out.blocks) == ("accepted", 1)
+    assert tiers(env.store, b1) == ["host"]
+    assert env.act("demote", [b1]).outcome == "accepted"  # G2 only: nothing to do
+    out = env.act("demote", [block_id(9)])
+    assert (out.outcome, out.missing) == ("missing", [block_id(9)[2]])
+    env.refs.acquire([b1])  # G2's only block is in use: no room for b2's copy
+    out = env.act("demote", [b2])
+    assert out.outcome == "deferred"
+    assert tiers(env.store, b2) == ["device"]  # nothing changed
+
+
+def test_prefetch_promotes_g2_to_g1_and_is_a_no_op_when_resident() -> None:
+    env = Env(g1=1, g2=2)
+    b1, b2 = put(env.store, 1), put(env.store, 2)  # b1 went to G2 to make room for b2
+    assert tiers(env.store, b1) == ["host"]
+    out = env.act("prefetch", [b1])
+    assert (out.outcome, out.blocks) == ("accepted", 1)
+    assert tiers(env.store, b1) == ["device"]
+    assert tiers(env.store, b2) == ["host"]
+    assert env.act("prefetch", [b1]).outcome == "accepted"  # already in G1
+    env.refs.acquire([b1])
+    assert env.act("prefetch", [b2]).outcome == "deferred"  # G1 holds a block in use
+    out = env.act("prefetch", [b2, block_id(9)])
+    assert out.outcome == "deferred"
+    assert out.missing == [block_id(9)[2]]
+
+
+def test_retain_is_clipped_to_limits_and_biases_eviction() -> None:
+    env = Env(g1=2, g2=0, limits=HintLimits(max_retain_ms=1_000, max_priority=5))
+    b1, b2 = put(env.store, 1), put(env.store, 2)
+    out = env.act("retain", [b1], ttl_ms=60_000, priority=50)
+    assert (out.outcome, out.ttl_ms, out.priority) == ("clipped", 1_000, 5)
+    put(env.store, 3)  # b1 is older but retained: b2 goes
+    assert b1 in env.store
+    assert b2 not in env.store
+    env.clock.advance(1_001)  # the bias is over: b1 is evictable like any other
+    put(env.store, 4)
+    assert b1 not in env.store
+    out = env.act("retain", [block_id(3)], ttl_ms=500, priority=2)
+    assert (out.outcome, out.ttl_ms, out.priority) == ("accepted", 500, 2)
+
+
+def test_pin_protects_until_its_ttl_clipped_and_bounded() -> None:
+    env = Env(g1=1, g2=1)
+    b1 = put(env.store, 1)
+    size = env.store.meta(b1).size
+    out = env.act("pin", [b1], ttl_ms=10**9)
+    assert (out.outcome, out.ttl_ms) == ("clipped", env.limits.max_pin_ms)
+    put(env.store, 2)  # G1 holds a pinned block: b2 goes to G2
+    assert tiers(env.store, b1) == ["device"]
+    assert env.act("pin", [b1]).outcome == "rejected"  # no TTL
+    env.clock.advance(env.limits.max_pin_ms)  # expired: ordinary eviction again
+    put(env.store, 3)
+    assert tiers(env.store, b1) == ["host"]
+    assert env.pins.octets_of("s1") == size  # until expired entries are collected
+    env.pins.expire()
+    assert env.pins.octets == 0
+
+
+def test_pin_in_g2_only_frees_g1() -> None:
+    env = Env(g1=2, g2=2)
+    b1 = put(env.store, 1)
+    out = env.act("pin", [b1], ttl_ms=1_000, tier="g2")
+    assert out.outcome == "accepted"
+    assert tiers(env.store, b1) == ["host"]
+    assert env.pages.free_pages == 8
+
+
+def test_pins_never_exceed_their_limits_under_memory_pressure() -> None:
+    probe = Env()
+    size = probe.store.meta(put(probe.store, 1)).size
+    env = Env(g1=2, g2=2, limits=HintLimits(pin_session_bytes=2 * size, pin_total_bytes=3 * size))
+    blocks = [put(env.store, n) for n in (1, 2)]
+    out = env.act("pin", blocks, owner="s1", ttl_ms=5_000)
+    assert (out.outcome, out.blocks) == ("accepted", 2)
+    more = [put(env.store, n) for n in (3, 4)]
+    out = env.act("pin", more, owner="s1", ttl_ms=5_000)
+    assert out.outcome == "rejected"  # s1 is at its limit
+    out = env.act("pin", more, owner="s2", ttl_ms=5_000)
+    assert (out.outcome, out.blocks) == ("clipped", 1)  # the total limit: one more block
+    for n in range(5, 30):  # pressure: unpinned blocks come and go, pinned ones stay
+        put(env.store, n)
+    assert all(b in env.store for b in [*blocks, more[0]])
+    assert env.pins.octets <= env.limits.pin_total_bytes
+    assert env.pins.release("s1") == 2
+    assert env.pins.octets == size
+
+
+def test_limit_blocks_and_partly_missing_targets_are_clipped() -> None:
+    env = Env(g1=4, g2=0)
+    blocks = [put(env.store, n) for n in (1, 2, 3)]
+    out = env.act("retain", blocks, ttl_ms=100, limit_blocks=2)
+    assert (out.outcome, out.blocks) == ("clipped", 2)
+    out = env.act("retain", [blocks[0], block_id(8)], ttl_ms=100)
+    assert (out.outcome, out.blocks, out.missing) == ("clipped", 1, [block_id(8)[2]])
+
+
+def test_envelope_action_names_and_payload_errors() -> None:
+    envelope = KvHints.model_validate(
+        {
+            "protocol_version": "0.1",
+            "message_id": "m1",
+            "actions": [
+                {"action_id": "x", "action_type": "kv.fetch", "action_version": "1.0",
+                 "payload": {}},
+                {"action_id": "y", "action_type": "pin", "action_version": "1.2", "payload": {}},
+                {"action_id": "z", "action_type": "kv.pin", "action_version": "2.0",
+                 "payload": {}},
+            ],
+        }
+    )  # fmt: skip
+    assert [action_name(a) for a in envelope.actions] == [None, "pin", None]
+    with pytest.raises(ValidationError):
+        KvHints.model_validate({"protocol_version": "0.2", "message_id": "m", "actions": []})
+    bad = HintAction(action_id="a", action_type="kv.pin", action_version="1.0",
+                     payload={"target": {"session": "s", "block_keys": ["00" * 32]}})  # fmt: skip
+    assert "not both" in str(parse_payload(bad))
+    bad.payload = {"target": {"block_keys": ["00" * 32]}}
+    assert "scope_id" in str(parse_payload(bad))
+    bad.payload = {"target": {"session": "s"}, "ttl_ms": -1}
+    assert str(parse_payload(bad)).startswith("ttl_ms")
