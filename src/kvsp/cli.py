@@ -412,11 +412,18 @@ def instance_serve_command(
     sleep_after_s: Annotated[
         float | None, typer.Option("--sleep-after-s", help="ask to sleep when idle this long")
     ] = None,
+    session_index: Annotated[
+        bool, typer.Option("--session-index", help="keep the SessionPrefixIndex (KvHints)")
+    ] = False,
+    max_pin_ms: Annotated[int, typer.Option("--max-pin-ms", min=1)] = 300_000,
+    pin_session_bytes: Annotated[str, typer.Option("--pin-session-bytes")] = "64M",
+    pin_total_bytes: Annotated[str, typer.Option("--pin-total-bytes")] = "256M",
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run an inference instance on HOST:PORT under /kvsp/ (install the model first)."""
     from kvsp.controller.tenants import Tenants
     from kvsp.instance.app import create_app
+    from kvsp.instance.hints import HintLimits
     from kvsp.instance.service import InstanceConfig, InstanceService
 
     config = InstanceConfig(
@@ -433,6 +440,12 @@ def instance_serve_command(
         status_ttl_ms=status_ttl_ms,
         threads=threads,
         sleep_after_s=sleep_after_s,
+        session_index=session_index,
+        hint_limits=HintLimits(
+            max_pin_ms=max_pin_ms,
+            pin_session_bytes=parse_octets(pin_session_bytes),
+            pin_total_bytes=parse_octets(pin_total_bytes),
+        ),
     )
     principals = _principals(auth, host)
     _serve(create_app(InstanceService(config), principals), host, port, log_level)

@@ -173,10 +173,14 @@ def test_envelope_action_names_and_payload_errors() -> None:
     assert [action_name(a) for a in envelope.actions] == [None, "pin", None]
     with pytest.raises(ValidationError):
         KvHints.model_validate({"protocol_version": "0.2", "message_id": "m", "actions": []})
-    bad = HintAction(action_id="a", action_type="kv.pin", action_version="1.0",
-                     payload={"target": {"session": "s", "block_keys": ["00" * 32]}})  # fmt: skip
-    assert "not both" in str(parse_payload(bad))
-    bad.payload = {"target": {"block_keys": ["00" * 32]}}
-    assert "scope_id" in str(parse_payload(bad))
-    bad.payload = {"target": {"session": "s"}, "ttl_ms": -1}
-    assert str(parse_payload(bad)).startswith("ttl_ms")
+
+    def pin(payload: dict[str, Any]) -> str:
+        action = HintAction(
+            action_id="a", action_type="kv.pin", action_version="1.0", payload=payload
+        )
+        return str(parse_payload(action))
+
+    assert "not both" in pin({"target": {"session": "s", "block_keys": ["00" * 32]}})
+    assert "scope_id" in pin({"target": {"block_keys": ["00" * 32]}})
+    assert pin({"target": {"session": "s"}, "ttl_ms": -1}).startswith("ttl_ms")
+    assert pin({"target": {"session": "s"}, "ttl": 5}).startswith("ttl: Extra")  # misspelt

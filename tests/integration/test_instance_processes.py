@@ -29,72 +29,17 @@ from kvsp.core.ids import parse_compat_id
 from kvsp.core.keys import block_keys, scope_id
 from kvsp.core.records import Sampler, ShardMap
 from kvsp.instance.engine import Engine, KvState
-from kvsp.instance.model import ModelFiles
-from tests.servers import Service, free_port, running
+from tests.integration.instances import (
+    PROMPT,
+    SCOPE_KEY,
+    Cluster,
+    eventually,
+    generate,
+    residency,
+)
+from tests.servers import running
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
-
-SCOPE_KEY = "55" * 32
-#: 50 tokens of a story ("Once upon a time, in a small village by the sea, ..."): 3 whole blocks;
-#: the model goes on for more than 40 tokens without an end of sequence
-PROMPT = [6403, 1980, 253, 655, 28, 281, 253, 1165, 6560, 411, 260, 3426, 28, 665, 4161, 354,
-          1573, 43663, 3365, 8581, 30, 5081, 5738, 384, 13197, 1187, 288, 260, 28899, 28, 12775,
-          650, 20958, 284, 12816, 288, 260, 310, 32942, 30, 1963, 1194, 28, 253, 22483, 6612, 281,
-          260, 6560, 351]  # fmt: skip
-
-
-class Cluster:
-    def __init__(self, tmp: Path, compat: str, controller: bool = False) -> None:
-        tenants = tmp / "tenants.toml"
-        tenants.write_text(
-            f'[tenants.acme]\nscope_key = "{SCOPE_KEY}"\ncompat_ids = ["{compat}"]\n'
-        )
-        self.index = Service("index", "serve", "--log-level", "warning")
-        holder_port = free_port()
-        self.holder_url = f"http://127.0.0.1:{holder_port}/kvsp/"
-        self.holder = Service(
-            "holder", "serve", "--url", self.holder_url, "--host-bytes", "256M",
-            "--index", self.index.base_url, "--log-level", "warning", port=holder_port,
-        )  # fmt: skip
-        self.controller = None
-        if controller:
-            self.controller = Service(
-                "controller", "serve", "--tenants", str(tenants), "--index", self.index.base_url,
-                "--min-active", "1", "--log-level", "warning",
-            )  # fmt: skip
-        self.tenants = tenants
-
-    def instance(self, *extra: str) -> Service:
-        port = free_port()
-        args = [
-            "instance", "serve", "--url", f"http://127.0.0.1:{port}/kvsp/",
-            "--tenants", str(self.tenants), "--index", self.index.base_url,
-            "--offload", self.holder_url, "--status-ttl-ms", "900", "--threads", "1",
-            "--log-level", "warning",
-        ]  # fmt: skip
-        if self.controller is not None:
-            args += ["--controller", self.controller.base_url]
-        return Service(*args, *extra, port=port)
-
-
-async def generate(base: str, tokens: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
-    body = {"tenant": "acme", "tokens": tokens, "max_tokens": max_tokens, **extra}
-    async with httpx.AsyncClient(timeout=120) as http:
-        response = await http.post(base + "generate", json=body)
-        assert response.status_code == 200, response.text
-        lines = [json.loads(line) for line in response.text.splitlines()]
-    return {"tokens": [x["token"] for x in lines[:-1]], "summary": lines[-1], "lines": lines[:-1]}
-
-
-@pytest.fixture
-def compat(model_files: ModelFiles) -> str:
-    return model_files.compat_id.hex()
-
-
-@pytest.fixture(scope="module")
-def reference(engine: Engine) -> list[int]:
-    greedy = Sampler(method="greedy", deterministic=True)
-    return list(engine.generate(KvState(), PROMPT, greedy, 24))
 
 
 async def test_cached_prefixes_local_and_remote_give_the_recomputed_tokens(
@@ -397,31 +342,7 @@ async def test_a_sessions_next_turn_reuses_its_blocks_from_g1(
         assert second["summary"]["cached"] == {"g1": 64}
 
 
-async def _residency(index: str, compat: str, tokens: list[int], holder: str) -> list[list[Any]]:
-    """The residency at ``holder`` of the first block of ``tokens``, as the IS has it."""
-    key = block_keys(bytes.fromhex(SCOPE_KEY), parse_compat_id(compat), tokens[:16], 16)[0]
-    body = {"scope_id": scope_id(bytes.fromhex(SCOPE_KEY)).hex(), "compat_id": compat,
-            "block_keys": [key.hex()]}  # fmt: skip
-    async with httpx.AsyncClient(timeout=30) as http:
-        answer = (await http.post(index + "lookup", json=body)).json()
-    replicas = answer["replicas"][0] if answer["matched"] else []
-    return [
-        [r["tier"], r["layers"]]
-        for rec in replicas
-        if rec["holder"] == holder
-        for r in rec["residency"]
-    ]
-
-
-async def _eventually(check: Any, expected: Any) -> None:
-    for _ in range(100):
-        if (found := await check()) == expected:
-            return
-        await asyncio.sleep(0.1)
-    assert found == expected
-
-
-async def test_g1_pages_first_layers_residency_and_lru_demotion_to_g2(
+async def test_g1_pages_first_layersresidency_and_lru_demotion_to_g2(
     tmp_path: Path, reference: list[int], compat: str
 ) -> None:
     """G1 of 4 blocks keeping layers 0-19 (the rest in G2): the records say so; another
@@ -433,13 +354,13 @@ async def test_g1_pages_first_layers_residency_and_lru_demotion_to_g2(
         cold = await generate(a.base_url, PROMPT, 24)
         assert cold["tokens"] == reference
         assert cold["summary"]["cached"] == {}
-        held = lambda: _residency(cluster.index.base_url, compat, PROMPT, a.base_url)  # noqa: E731
-        await _eventually(held, [["device", [0, 19]], ["host", [20, 29]]])
+        held = lambda: residency(cluster.index.base_url, compat, PROMPT, a.base_url)  # noqa: E731
+        await eventually(held, [["device", [0, 19]], ["host", [20, 29]]])
         warm = await generate(a.base_url, PROMPT, 24)
         assert warm["tokens"] == reference
         assert warm["summary"]["cached"] == {"g1": 48}
         await generate(a.base_url, other, 24)  # 4 new blocks: G1's least recent go to G2
-        await _eventually(held, [["host", [0, 29]]])
+        await eventually(held, [["host", [0, 29]]])
         again = await generate(a.base_url, PROMPT, 24)
         assert again["tokens"] == reference
         assert again["summary"]["cached"] == {"g2": 48}

@@ -95,17 +95,20 @@ class HolderService:
         index: IndexClient | None = None,
         device: tuple[int, TierData] | None = None,
         in_use: LeaseView | None = None,
+        observe: Callable[[Sequence[Effect]], None] | None = None,
     ) -> None:
         """``index`` replaces the client built from ``config.index_url`` (tests pass one).
         An inference instance adds its ``device`` tier (capacity, octets) in front of the
-        others, and the blocks its running requests use (``in_use``), which pressure never
-        moves or drops, like leased ones."""
+        others, the blocks it protects (``in_use``: blocks its running requests use, pins),
+        which pressure never moves or drops, like leased ones, and an observer of every
+        publish and withdraw (on the event loop, in order)."""
         parts = urlsplit(config.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigurationError(f"holder URL {config.url!r} is not an http(s) URL")
         self.config = config
         self.url = canonical_url(config.url)
         self.clock = clock or SystemClock()
+        self.observe = observe
         specs, data = config.tiers()
         if device is not None:
             specs.insert(0, TierSpec("device", device[0]))
@@ -150,6 +153,8 @@ class HolderService:
 
         result, effects = await asyncio.get_running_loop().run_in_executor(self._worker, call)
         self._queue(effects)
+        if self.observe is not None and effects:
+            self.observe(effects)
         return result
 
     async def start(self) -> None:

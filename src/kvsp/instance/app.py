@@ -7,7 +7,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Annotated
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -32,6 +32,7 @@ from kvsp.core.records import (
 )
 from kvsp.core.registries import BLOCK_MEDIA_TYPE
 from kvsp.holder.app import block_routes
+from kvsp.instance.hints import KvHints
 from kvsp.instance.service import InstanceService, TokenEvent
 from kvsp.web.server import (
     install_problem_handlers,
@@ -63,6 +64,8 @@ class GenerateRequest(Record):
     max_tokens: Annotated[StrictInt, Field(ge=1, le=1 << 16)] | None = None
     session: Uuid | None = None
     epoch: Annotated[StrictInt, Field(ge=0)] = 0
+    #: KvHints to execute once the request is done (controllers only)
+    kv_hints: KvHints | None = None
 
 
 def _lines(events: AsyncIterator[TokenEvent | dict[str, object]]) -> AsyncIterator[bytes]:
@@ -79,6 +82,16 @@ def _lines(events: AsyncIterator[TokenEvent | dict[str, object]]) -> AsyncIterat
             yield json.dumps(doc).encode() + b"\n"
 
     return out()
+
+
+def _count(query: Mapping[str, str], name: str, default: int, most: int) -> int:
+    """A non-negative integer query parameter, at most ``most``."""
+    raw = query.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or len(raw) > 19 or int(raw) > most:
+        raise InvalidInput(f"{name} must be an integer from 0 to {most}")
+    return int(raw)
 
 
 def create_app(service: InstanceService, principals: Principals) -> Starlette:
@@ -98,6 +111,7 @@ def create_app(service: InstanceService, principals: Principals) -> Starlette:
             parsed.max_tokens,
             parsed.session,
             parsed.epoch,
+            parsed.kv_hints,
         )
         headers = {"x-session-id": session.session}
         return StreamingResponse(
@@ -189,6 +203,35 @@ def create_app(service: InstanceService, principals: Principals) -> Starlette:
             ).encode()
         )
 
+    async def hints(request: Request) -> Response:
+        principal = principal_of(request, principals)
+        envelope = KvHints.parse(await body(request))
+        outcomes = await service.hints(principal, envelope)
+        answer = {"message_id": envelope.message_id, "outcomes": [o.to_json() for o in outcomes]}
+        return json_response(json.dumps(answer).encode())
+
+    async def end_session(request: Request) -> Response:
+        principal = principal_of(request, principals)
+        released = await service.end_session(principal, request.path_params["session"])
+        return json_response(json.dumps({"pins_released": released}).encode())
+
+    async def events(request: Request) -> Response:
+        principal_of(request, principals)
+        query = request.query_params
+        after, limit, wait_ms = (
+            _count(query, "after", 0, 1 << 62),
+            _count(query, "limit", 1000, 10_000),
+            _count(query, "wait_ms", 0, 30_000),
+        )
+        page = await service.events_after(after, max(limit, 1), wait_ms)
+        answer = {
+            "epoch": service.epoch,
+            "last": page.last,
+            "missed": page.missed,
+            "events": page.events,
+        }
+        return json_response(json.dumps(answer).encode())
+
     async def status(_: Request) -> Response:
         return json_response(service.status().model_dump_json(exclude_none=True).encode())
 
@@ -209,6 +252,9 @@ def create_app(service: InstanceService, principals: Principals) -> Starlette:
             Route(base + "shards/{map}", shard, methods=["GET"]),
             Route(base + "shards/{map}/load", load_shard, methods=["POST"]),
             Route(base + "shards/{map}/kv", shard_kv, methods=["GET"]),
+            Route(base + "hints", hints, methods=["POST"]),
+            Route(base + "sessions/{session}", end_session, methods=["DELETE"]),
+            Route(base + "events", events, methods=["GET"]),
             Route(base + "status", status, methods=["GET"]),
             Route(base + "healthz", healthz, methods=["GET"]),
             Route(base + "metrics", metrics, methods=["GET"]),

@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kvsp.core.clock import Clock
 from kvsp.core.problems import CapacityExhausted
-from kvsp.core.records import HttpUrl
+from kvsp.core.records import Hex16, Hex32, HttpUrl, Record
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.store import BlockStore
 
@@ -60,23 +60,17 @@ __all__ = [
 
 ACTIONS = ("share", "prefetch", "demote", "pin", "retain")
 Outcome = Literal["accepted", "clipped", "deferred", "rejected", "missing"]
-Hex32 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-Hex16 = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
 
 
-class HintAction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class HintAction(Record):
     action_id: Annotated[str, Field(min_length=1, max_length=256)]
     action_type: Annotated[str, Field(min_length=1, max_length=64)]
     action_version: Annotated[str, Field(min_length=1, max_length=16)]
     payload: dict[str, Any]
 
 
-class KvHints(BaseModel):
+class KvHints(Record):
     """The envelope. Only protocol version 0.1 exists; another is refused whole."""
-
-    model_config = ConfigDict(extra="ignore")
 
     protocol_version: Literal["0.1"]
     message_id: Annotated[str, Field(min_length=1, max_length=256)]

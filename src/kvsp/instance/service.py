@@ -42,6 +42,7 @@ from typing import Any
 
 from kvsp.auth import Principal, Role, authorize
 from kvsp.controller.tenants import Tenant, Tenants
+from kvsp.core.clock import SystemClock
 from kvsp.core.container import Container
 from kvsp.core.ids import parse_block_key, parse_compat_id
 from kvsp.core.keys import BlockKeyChain
@@ -73,12 +74,16 @@ from kvsp.core.urls import canonical_url
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.client import HolderClient
 from kvsp.holder.service import HolderConfig, HolderService
+from kvsp.holder.store import Protected
 from kvsp.index.client import IndexClient
 from kvsp.instance.engine import Engine, KvState
+from kvsp.instance.events import EventPage
+from kvsp.instance.hints import HintLimits, HintOutcome, KvHints, PinTable
 from kvsp.instance.kvpool import BlockRefs, KvPages
 from kvsp.instance.model import ModelFiles, installed
 from kvsp.instance.prefetch import Prefetcher
 from kvsp.instance.sampling import next_token
+from kvsp.instance.session_kv import SessionKv
 from kvsp.instance.shards import HeldRange, ShardHoldings
 from kvsp.tasks import cancel_all
 from kvsp.web.client import JsonClient
@@ -116,6 +121,11 @@ class InstanceConfig:
     threads: int | None = None
     #: ask the controller to sleep after this long with nothing to do (None: never)
     sleep_after_s: float | None = None
+    #: keep the SessionPrefixIndex (KvHints may then target sessions)
+    session_index: bool = False
+    hint_limits: HintLimits = field(default_factory=HintLimits)
+    #: events kept for consumers that fall behind
+    events: int = 4096
 
 
 @dataclass(frozen=True)
@@ -157,6 +167,9 @@ class _Session:
     #: blocks this session uses (referenced until it ends), and its pending block stores
     uses: list[BlockId] = field(default_factory=list)
     stores: set[asyncio.Task[None]] = field(default_factory=set)
+    #: hints to execute once the request is done (sent by this controller), and their outcomes
+    hints: tuple[Principal, KvHints] | None = None
+    hint_outcomes: list[HintOutcome] = field(default_factory=list)
     done: bool = False
     error: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -212,6 +225,7 @@ class InstanceService:
             else [("device", (0, g1_layers - 1)), ("host", (g1_layers, g.layers - 1))]
         )
         self.in_use = BlockRefs()
+        pins = PinTable(SystemClock(), config.hint_limits)
         self.holder = HolderService(
             HolderConfig(
                 url=config.url,
@@ -221,8 +235,19 @@ class InstanceService:
                 index_token=config.token,
             ),
             device=(self.pages.capacity, self.pages),
-            in_use=self.in_use,
+            in_use=Protected(self.in_use, pins),
         )
+        self.peers = HolderClient(config.token)
+        self.kv = SessionKv(
+            self.holder,
+            self.peers,
+            self.in_use,
+            pins,
+            config.g1_layers,
+            config.session_index,
+            config.events,
+        )
+        self.holder.observe = self.kv.observe
         self.index = (
             None if config.index_url is None else IndexClient(config.index_url, config.token)
         )
@@ -231,7 +256,6 @@ class InstanceService:
             if config.controller_url is None
             else _ControllerClient(config.controller_url, config.token)
         )
-        self.peers = HolderClient(config.token)
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.prefetcher = Prefetcher(
             self.holder, self.peers, self.index, self._fetch, self.placement
@@ -382,6 +406,8 @@ class InstanceService:
             self.links[holder] = (rate, 200.0 if old is None else old[1])
         else:
             self.links[holder] = (0.7 * old[0] + 0.3 * rate, old[1])
+        block = (record.compat_id, record.scope_id, record.block_key)
+        self.kv.transfer(block, holder, self.url, container.size)
         return container
 
     async def _load(self, session: _Session, keys: Sequence[str]) -> list[Container]:
@@ -408,8 +434,17 @@ class InstanceService:
 
         out = await self.holder.call(read_local)
         rest = list(keys[len(out) :])
-        if not rest or self.index is None:
-            return out
+        if rest and self.index is not None:
+            out += await self._load_remote(session, rest)
+        self.kv.reused(session.session, [(self.compat_id, scope, k) for k in keys[: len(out)]])
+        return out
+
+    async def _load_remote(self, session: _Session, rest: Sequence[str]) -> list[Container]:
+        """The longest prefix of ``rest`` found through the IS, verified and then held here."""
+        assert self.index is not None
+        scope = session.tenant.scope_id
+        b = self.engine.block_tokens
+        out: list[Container] = []
         try:
             answer = await self.index.lookup(
                 LookupRequest(scope_id=scope, compat_id=self.compat_id, block_keys=tuple(rest))
@@ -457,9 +492,13 @@ class InstanceService:
         max_tokens: int | None,
         session_id: str | None = None,
         epoch: int = 0,
+        kv_hints: KvHints | None = None,
     ) -> _Session:
-        """Start generating for a prompt; read the tokens with ``stream``."""
+        """Start generating for a prompt; read the tokens with ``stream``. ``kv_hints`` (from
+        the controller only) are executed once the request is done."""
         authorize(principal, (Role.CONTROLLER, Role.CLIENT))
+        if kv_hints is not None:
+            authorize(principal, Role.CONTROLLER)
         if self.state is not InstanceState.ACTIVE:
             raise ServiceUnavailable(f"instance is {self.state}; it accepts no new sessions")
         if not tokens:
@@ -487,6 +526,7 @@ class InstanceService:
             prompt_blocks,
             tail,
             chain,
+            hints=None if kv_hints is None else (principal, kv_hints),
         )
         try:
             blocks = await self._load(session, prompt_blocks)
@@ -589,6 +629,10 @@ class InstanceService:
         await asyncio.sleep(0)  # let the last events land
         await asyncio.gather(*session.stores, return_exceptions=True)
         await self._release(session)
+        if session.hints is not None:
+            session.hint_outcomes = await self.kv.execute(
+                session.hints[0], self.compat_id, session.hints[1]
+            )
         session.done = True
         await self._checkpoint(session, final=True)
         session.notify()
@@ -596,6 +640,14 @@ class InstanceService:
     def _on_event(self, session: _Session, kind: str, value: Any) -> None:
         if kind == "block":
             index, body = value
+            key, parent = session.key_of(index), session.key_of(index - 1) if index else None
+            if key is not None:
+                scope = session.tenant.scope_id
+                self.kv.completed(
+                    session.session,
+                    (self.compat_id, scope, key),
+                    None if parent is None else (self.compat_id, scope, parent),
+                )
             task = self._spawn(self._store(session, index, body))
             session.stores.add(task)
             task.add_done_callback(session.stores.discard)
@@ -649,11 +701,34 @@ class InstanceService:
                     "epoch": session.epoch,
                     "cached_tokens": session.cached_tokens,
                     "cached": session.cached,
+                    "kv_hints": [o.to_json() for o in session.hint_outcomes],
                     "generated": len(session.generated),
                     "error": session.error,
                 }
                 return
             await changed.wait()
+
+    # -- session-aware KV (hints, events) -------------------------------------------------------
+
+    async def hints(self, principal: Principal, hints: KvHints) -> list[HintOutcome]:
+        """Every action of the envelope, answered with its outcome (never a problem for an
+        action: only for a caller who may not send hints at all)."""
+        authorize(principal, Role.CONTROLLER)
+        return await self.kv.execute(principal, self.compat_id, hints)
+
+    async def end_session(self, principal: Principal, session: str) -> int:
+        """The controller says a session is over: it owns nothing and its pins go."""
+        authorize(principal, Role.CONTROLLER)
+        return await self.holder.call(lambda: self.kv.end(session))
+
+    async def events_after(self, after: int, limit: int, wait_ms: int) -> EventPage:
+        """Events after ``after``; with none yet, wait up to ``wait_ms`` for the next ones."""
+        page = self.kv.events.after(after, limit)
+        deadline = time.monotonic() + wait_ms / 1000
+        while not page.events and not page.missed and time.monotonic() < deadline:
+            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+            page = self.kv.events.after(after, limit)
+        return page
 
     # -- prefetch (6.5) ------------------------------------------------------------------------
 

@@ -1,0 +1,229 @@
+"""Session-aware KV management at the instance: the SessionPrefixIndex kept in step with the
+pool, the engine's events, and KvHints executed against the pool.
+
+- **Membership.** A request that reuses blocks makes its session a member of them (``reused``);
+  every block a request completes joins its session's branch (``completed``). With the index
+  off (the default) neither costs anything.
+- **Residency.** The embedded holder reports every publish and withdraw (``observe``, in order,
+  on the event loop): the index learns which local tiers hold each block, and the event log gets
+  ``residency`` (when the tiers change) and ``eviction`` events.
+- **Hints.** ``execute`` answers every action of an envelope with an outcome: targets resolve
+  through the index (a session) or as exact block keys of a scope the caller may use; Retain,
+  Pin, Demote and Prefetch run on the store's thread (``hints.LocalHints``); Share copies the
+  blocks to a destination holder or instance with PUT, holding them in use here meanwhile, so
+  the destination verifies and publishes each block only once it has all of it; the source
+  keeps its copy. Each outcome is also an event.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from kvsp.auth import Principal, authorize
+from kvsp.core.container import Container
+from kvsp.core.problems import AlreadyStored, KvspError
+from kvsp.core.records import HttpUrl
+from kvsp.holder.blocks import BlockId
+from kvsp.holder.client import HolderClient
+from kvsp.holder.service import BLOCK_ROLES, HolderService
+from kvsp.holder.store import Effect, Publish
+from kvsp.instance.events import EventLog
+from kvsp.instance.hints import (
+    HintAction,
+    HintLimits,
+    HintOutcome,
+    HintPayload,
+    KvHints,
+    LocalHints,
+    PinTable,
+    action_name,
+    parse_payload,
+)
+from kvsp.instance.kvpool import BlockRefs
+from kvsp.instance.session_index import SessionPrefixIndex
+
+__all__ = ["SessionKv"]
+
+log = logging.getLogger("kvsp.instance.hints")
+
+#: the pool's tiers as the RFC names them
+LOCAL = {"device": "g1", "host": "g2", "disk": "g2"}
+
+
+def _ref(block: BlockId) -> dict[str, str]:
+    return {"scope_id": block[1], "block_key": block[2]}
+
+
+class SessionKv:
+    def __init__(
+        self,
+        holder: HolderService,
+        peers: HolderClient,
+        in_use: BlockRefs,
+        pins: PinTable,
+        g1_layers: int | None,
+        index_sessions: bool,
+        events: int = 4096,
+    ) -> None:
+        self.holder = holder
+        self.peers = peers
+        self.in_use = in_use
+        self.pins = pins
+        self.index: SessionPrefixIndex[BlockId] | None = (
+            SessionPrefixIndex() if index_sessions else None
+        )
+        self.events = EventLog(holder.clock, events)
+        self.local = LocalHints(holder.store, pins, pins.limits, g1_layers)
+        #: local tiers of every block held, to report changes only
+        self._tiers: dict[BlockId, frozenset[str]] = {}
+
+    @property
+    def limits(self) -> HintLimits:
+        return self.pins.limits
+
+    # -- membership and residency --------------------------------------------------------------
+
+    def reused(self, session: str, blocks: Sequence[BlockId]) -> None:
+        """A request of ``session`` reused these chained blocks, from the root on."""
+        if not blocks:
+            return
+        if self.index is not None:
+            self.index.hit(session, blocks, [self._tiers.get(b, frozenset()) for b in blocks])
+        self.events.append("association", session=session, blocks=[b[2] for b in blocks])
+
+    def completed(self, session: str, block: BlockId, parent: BlockId | None) -> None:
+        """A request of ``session`` completed ``block`` (after ``parent``)."""
+        if self.index is not None:
+            if parent is not None and parent not in self.index:
+                return  # its branch was dropped meanwhile; the block joins on its next hit
+            self.index.hit(session, [block], [self._tiers.get(block, frozenset())], parent)
+        self.events.append("association", session=session, blocks=[block[2]])
+
+    def observe(self, effects: Sequence[Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, Publish):
+                r = effect.record
+                block = (r.compat_id, r.scope_id, r.block_key)
+                tiers = frozenset(LOCAL[x.tier] for x in r.residency)
+                if self._tiers.get(block) == tiers:
+                    continue  # a refresh
+                self._tiers[block] = tiers
+                if self.index is not None:
+                    self.index.resident(block, tiers)
+                self.events.append("residency", **_ref(block), tiers=sorted(tiers))
+            else:
+                ref = effect.ref
+                block = (ref.compat_id, ref.scope_id, ref.block_key)
+                self._tiers.pop(block, None)
+                if self.index is not None:
+                    self.index.gone(block)
+                self.events.append("eviction", **_ref(block))
+
+    def transfer(self, block: BlockId, source: str, destination: str, octets: int) -> None:
+        self.events.append(
+            "transfer", **_ref(block), source=source, destination=destination, octets=octets
+        )
+
+    def end(self, session: str) -> int:
+        """The session is over: its pins go and it owns nothing any more; pins released."""
+        if self.index is not None:
+            self.index.end(session)
+        released = self.pins.release(session)
+        self.events.append("association", session=session, ended=True)
+        return released
+
+    # -- hints ---------------------------------------------------------------------------------
+
+    async def execute(
+        self, principal: Principal, compat_id: str, hints: KvHints
+    ) -> list[HintOutcome]:
+        outcomes = []
+        for action in hints.actions:
+            outcome = await self._one(principal, compat_id, action)
+            self.events.append("hint", message_id=hints.message_id, **outcome.to_json())
+            outcomes.append(outcome)
+        return outcomes
+
+    async def _one(self, principal: Principal, compat_id: str, action: HintAction) -> HintOutcome:
+        def rejected(reason: str) -> HintOutcome:
+            return HintOutcome(action.action_id, action.action_type, "rejected", reason)
+
+        name = action_name(action)
+        if name is None:
+            return rejected(
+                f"{action.action_type} version {action.action_version} is not implemented here"
+            )
+        payload = parse_payload(action)
+        if isinstance(payload, str):
+            return rejected(payload)
+        target = payload.target
+        scope, keys = target.scope_id, target.block_keys
+        if target.session is not None:
+            if self.index is None:
+                return rejected("the session index is off; target block keys instead")
+            blocks = self.index.blocks(target.session)
+            owner = target.session
+        elif scope is not None and keys is not None:
+            try:
+                authorize(principal, BLOCK_ROLES, scope=scope)
+            except KvspError as exc:
+                return rejected(exc.detail)
+            blocks = [(compat_id, scope, k) for k in keys]
+            owner = f"principal:{principal.name}"
+        else:  # the payload model allows neither
+            return rejected("a target is a session or block keys")
+        if name == "share":
+            if payload.destination is None:
+                return rejected("share needs a destination")
+            return await self._share(action, payload, blocks, payload.destination)
+
+        def run() -> HintOutcome:
+            self.pins.expire()
+            outcome, held = self.local.prepare(action, payload, blocks)
+            return self.local.run(name, outcome, held, payload, owner) if held else outcome
+
+        return await self.holder.call(run)
+
+    async def _share(
+        self,
+        action: HintAction,
+        payload: HintPayload,
+        blocks: Sequence[BlockId],
+        destination: HttpUrl,
+    ) -> HintOutcome:
+        def take() -> tuple[HintOutcome, list[tuple[BlockId, Container]]]:
+            outcome, held = self.local.prepare(action, payload, blocks)
+            out = []
+            for block in held:
+                read = self.holder.store.get(block)
+                out.append((block, Container.parse(b"".join([read.header.encode(), *read.parts]))))
+            self.in_use.acquire(held)
+            return outcome, out
+
+        outcome, taken = await self.holder.call(take)
+        try:
+            for block, container in taken:
+                try:
+                    await self.peers.put(destination, block, container)
+                except AlreadyStored:
+                    pass
+                except KvspError as exc:
+                    outcome.outcome = "clipped" if outcome.blocks else "deferred"
+                    outcome.reason = f"{destination}: {exc.detail}"
+                    break
+                outcome.blocks += 1
+                self.transfer(block, self.holder.url, destination, container.size)
+        finally:
+            await self.holder.call(lambda: self.in_use.release([b for b, _ in taken]))
+        return outcome
+
+    def summary(self) -> dict[str, Any]:
+        """Figures for the status page and metrics."""
+        return {
+            "indexed_blocks": 0 if self.index is None else len(self.index),
+            "indexed_sessions": 0 if self.index is None else len(self.index.sessions()),
+            "pinned_bytes": self.pins.octets,
+            "last_event": self.events.last,
+        }
