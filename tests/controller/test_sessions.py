@@ -25,6 +25,15 @@ def test_6_8_pc_keeps_the_checkpoint_with_the_highest_output_offset() -> None:
     assert table.get(SESSION).checkpoint.output_offset == 16
 
 
+def test_a_next_turn_starts_its_output_again_at_offset_0() -> None:
+    table = opened()
+    table.put_checkpoint(checkpoint(24), I1)
+    entry = table.open(checkpoint(0), I2)  # the next turn, on another instance
+    assert (entry.instance, entry.checkpoint.output_offset, entry.acknowledged) == (I2, 0, 0)
+    answer = table.put_checkpoint(checkpoint(4), I2)
+    assert (answer.recorded, answer.acknowledged) == (True, 4)
+
+
 def test_6_8_non_deterministic_tokens_are_released_only_up_to_the_acknowledged_offset() -> None:
     table = opened()
     assert table.put_checkpoint(checkpoint(4), I1).acknowledged == 4

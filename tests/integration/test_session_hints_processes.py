@@ -119,3 +119,65 @@ async def test_hints_on_a_session_demote_prefetch_pin_share_and_report(
         assert later["last"] == seqs[-1]
     for service in (a, b):
         assert service.log.count(b"Traceback") == 0
+
+
+async def test_the_controller_pins_for_a_tool_gap_shares_on_a_move_and_demotes_at_the_end(
+    tmp_path: Path, reference: list[int], compat: str
+) -> None:
+    cluster = Cluster(tmp_path, compat, controller=True)
+    assert cluster.controller is not None
+    pc = cluster.controller.base_url
+    a, b = cluster.instance("--session-index"), cluster.instance("--session-index")
+    session = str(uuid.uuid4())
+    with running(cluster.index, cluster.holder, cluster.controller, a, b):
+        async with httpx.AsyncClient(timeout=120) as http:
+
+            async def active() -> set[str]:
+                view = (await http.get(pc + "instances")).json()["instances"]
+                return {i["instance"] for i in view if i["state"] == "active"}
+
+            await eventually(active, {a.base_url, b.base_url})
+            place = {"tenant": "acme", "compat_id": compat, "tokens": PROMPT, "session": session}
+            placed = (await http.post(pc + "place", json=place)).json()
+            first, other = (a, b) if placed["instance"] == a.base_url else (b, a)
+            turn = await generate(first.base_url, PROMPT, 24, session=session)
+            assert turn["tokens"] == reference
+
+            # the turn ends in a tool call: the instance pins the session's KV for the gap
+            gap = {"tool_call": True, "expected_gap_ms": 3_000}
+            answer = (await http.post(f"{pc}sessions/{session}/turns", json=gap)).json()
+            [pin] = answer["outcomes"]
+            assert (pin["instance"], pin["action_type"]) == (first.base_url, "kv.pin")
+            assert (pin["outcome"], pin["blocks"], pin["ttl_ms"]) == ("accepted", 4, 6_500)
+            view = (await http.get(f"{pc}sessions/{session}")).json()
+            assert view["hints"]["outcomes"] == {"kv.pin:accepted": 1}
+
+            # the next turn goes to the other instance: the KV is shared there first
+            change = {"instance": first.base_url, "state": "draining"}
+            assert (await http.put(pc + "instances/state", json=change)).status_code == 200
+            turn2 = PROMPT + turn["tokens"] + [13, 1073, 314]
+            placed = (await http.post(pc + "place", json={**place, "tokens": turn2})).json()
+            assert placed["instance"] == other.base_url
+            held = lambda: residency(cluster.index.base_url, compat, PROMPT, other.base_url)  # noqa: E731
+            await eventually(held, [["device", [0, 29]]])
+            second = await generate(other.base_url, turn2, 8, session=session)
+            assert second["summary"]["cached"] == {"g1": 64}  # shared, then found locally
+
+            # the session ends: its KV is demoted and the instance forgets the session
+            answer = (await http.delete(f"{pc}sessions/{session}")).json()
+            assert [(o["action_type"], o["outcome"]) for o in answer["outcomes"]] == [
+                ("kv.demote", "accepted")
+            ]
+            assert (await http.get(f"{pc}sessions/{session}")).status_code == 404
+            log = await events(other.base_url)
+            assert {"session": session, "ended": True} in [
+                {k: e[k] for k in ("session", "ended") if k in e} for e in log["events"]
+            ]
+            metrics = (await http.get(pc + "metrics")).text
+            for action in ("kv.pin", "kv.share", "kv.demote"):
+                assert (
+                    f'kvsp_controller_hints_total{{action="{action}",outcome="accepted"}} 1.0'
+                    in (metrics)
+                )
+    for service in (a, b, cluster.controller):
+        assert service.log.count(b"Traceback") == 0

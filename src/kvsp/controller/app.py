@@ -54,6 +54,13 @@ class PlaceRequest(Record):
     max_tokens: Annotated[StrictInt, Field(ge=1, le=1 << 16)] | None = None
 
 
+class TurnEnd(Record):
+    """A turn of a session is over: did it end in a tool call, and how long until the next."""
+
+    tool_call: StrictBool = False
+    expected_gap_ms: Annotated[StrictInt, Field(ge=0, le=86_400_000)] | None = None
+
+
 class TtftReport(Record):
     ttft_us: Annotated[StrictFloat | StrictInt, Field(ge=0, le=3.6e9, allow_inf_nan=False)]
 
@@ -97,8 +104,25 @@ def create_app(service: ControllerService, principals: Principals) -> Starlette:
 
     async def session(request: Request) -> Response:
         principal_of(request, principals)
-        entry = service.sessions.get(request.path_params["session"])
-        return _json(entry.to_json())
+        name = request.path_params["session"]
+        doc = service.sessions.get(name).to_json()
+        hints = None if service.session_hints is None else service.session_hints.get(name)
+        if hints is not None:
+            doc["hints"] = hints.to_json()
+        return _json(doc)
+
+    async def turn_ended(request: Request) -> Response:
+        principal = principal_of(request, principals)
+        turn = TurnEnd.parse(await body(request))
+        outcomes = await service.turn_ended(
+            principal, request.path_params["session"], turn.tool_call, turn.expected_gap_ms
+        )
+        return _json({"outcomes": outcomes})
+
+    async def end_session(request: Request) -> Response:
+        principal = principal_of(request, principals)
+        outcomes = await service.end_session(principal, request.path_params["session"])
+        return _json({"outcomes": outcomes})
 
     async def instances(request: Request) -> Response:
         principal_of(request, principals)
@@ -176,6 +200,8 @@ def create_app(service: ControllerService, principals: Principals) -> Starlette:
             Route(base + "status", status, methods=["PUT"]),
             Route(base + "sessions/{session}/checkpoint", checkpoint, methods=["PUT"]),
             Route(base + "sessions/{session}", session, methods=["GET"]),
+            Route(base + "sessions/{session}", end_session, methods=["DELETE"]),
+            Route(base + "sessions/{session}/turns", turn_ended, methods=["POST"]),
             Route(base + "instances", instances, methods=["GET"]),
             Route(base + "instances/state", instance_state, methods=["PUT"]),
             Route(base + "place", place, methods=["POST"]),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 from urllib.parse import urljoin
 
 import httpx
@@ -70,3 +71,13 @@ class InstanceClient(JsonClient):
         """Send a plan (answered 200 once its fetches are loaded), a commit or an abort."""
         body = message.model_dump_json(by_alias=True).encode()
         await self._send("POST", canonical_url(instance) + "reshard", body, timeout_s=timeout_s)
+
+    async def hints(self, instance: str, envelope: dict[str, Any]) -> list[dict[str, Any]]:
+        """Send a KvHints envelope; the outcome of each action."""
+        body = json.dumps(envelope).encode()
+        response = await self._send("POST", canonical_url(instance) + "hints", body)
+        outcomes: list[dict[str, Any]] = response.json()["outcomes"]
+        return outcomes
+
+    async def end_session(self, instance: str, session: str) -> None:
+        await self._send("DELETE", canonical_url(instance) + f"sessions/{session}")

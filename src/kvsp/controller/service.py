@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,6 +23,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvsp.auth import Principal, Role, authorize
 from kvsp.controller.client import InstanceClient
+from kvsp.controller.hints import (
+    HintPolicy,
+    PinOrDemote,
+    PlannedHint,
+    SessionHints,
+    SessionHintTable,
+)
 from kvsp.controller.instances import InstancePolicy, InstanceTable
 from kvsp.controller.placement import (
     Decision,
@@ -83,6 +90,8 @@ class ControllerConfig:
     instances: InstancePolicy = field(default_factory=InstancePolicy)
     max_sessions: int = 1_000_000
     tick_s: float = 0.2
+    #: what to tell instances as sessions go on (KvHints); None: no hints
+    hints: HintPolicy | None = field(default_factory=PinOrDemote)
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,9 @@ class ControllerService:
         self.clock = clock or SystemClock()
         self.instances = InstanceTable(self.clock, config.instances)
         self.sessions = SessionTable(config.max_sessions)
+        self.session_hints = (
+            None if config.hints is None else SessionHintTable(config.hints, config.max_sessions)
+        )
         self.reshards = ReshardCoordinator(self.clock)
         if index is None and config.index_url is not None:
             index = IndexClient(config.index_url, config.index_token)
@@ -169,6 +181,10 @@ class ControllerService:
         self.prefetches = Counter(
             "kvsp_controller_prefetches", "Prefetch directives, by final state", ["state"],
             registry=r,
+        )  # fmt: skip
+        self.hint_outcomes = Counter(
+            "kvsp_controller_hints", "KvHint actions sent, by action and outcome",
+            ["action", "outcome"], registry=r,
         )  # fmt: skip
         self.rejected = Counter(
             "kvsp_controller_rejected_requests",
@@ -335,7 +351,86 @@ class ControllerService:
         if first is not None:
             entry = self.sessions.open(first, decision.instance, max_tokens)
             placement = dataclasses.replace(placement, session_epoch=entry.epoch)
+            if self.session_hints is not None:
+                now = self.clock.now_ms()
+                planned = self.session_hints.turn_started(entry.session, entry.instance, now)
+                if planned:  # the KV moves with the session, while the request is placed
+                    self._background(self._send_hints(entry.session, planned))
         return placement
+
+    # -- KvHints (session-aware KV) ------------------------------------------------------------
+
+    def _background(self, work: Coroutine[Any, Any, object]) -> None:
+        async def run() -> None:
+            await work
+
+        task = asyncio.create_task(run())
+        self._tasks.append(task)
+        task.add_done_callback(self._tasks.remove)
+
+    async def turn_ended(
+        self,
+        principal: Principal,
+        session: str,
+        tool_call: bool,
+        expected_gap_ms: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """A turn of ``session`` is over (its output delivered): tell the instance holding its
+        KV what the policy says; the outcomes."""
+        authorize(principal, OPERATOR_ROLES)
+        entry = self.sessions.get(session)
+        if self.session_hints is None:
+            return []
+        planned = self.session_hints.turn_ended(
+            session, entry.instance, self.clock.now_ms(), tool_call, expected_gap_ms
+        )
+        return await self._send_hints(session, planned)
+
+    async def end_session(self, principal: Principal, session: str) -> list[dict[str, Any]]:
+        """The session is over: the policy's last hints, then the instance forgets it."""
+        authorize(principal, OPERATOR_ROLES)
+        entry = self.sessions.close(session)
+        outcomes: list[dict[str, Any]] = []
+        if self.session_hints is not None:
+            hints, planned = self.session_hints.ended(session)
+            outcomes = await self._send_hints(session, planned, hints)
+        try:
+            await self.peers.end_session(entry.instance, session)
+        except KvspError as exc:
+            log.warning("session %s not ended at %s: %s", session, entry.instance, exc.detail)
+        return outcomes
+
+    async def _send_hints(
+        self, session: str, planned: Sequence[PlannedHint], entry: SessionHints | None = None
+    ) -> list[dict[str, Any]]:
+        """One envelope per instance; an instance that does not answer defers every action."""
+        table = self.session_hints
+        entry = entry or (None if table is None else table.get(session))
+        outcomes: list[dict[str, Any]] = []
+        for n, hint in enumerate(planned):
+            action = {
+                "action_id": f"{session}-{n}",
+                "action_type": hint.action_type,
+                "action_version": "1.0",
+                "payload": hint.payload,
+            }
+            envelope = {"protocol_version": "0.1", "message_id": str(uuid.uuid4()),
+                        "actions": [action]}  # fmt: skip
+            try:
+                [outcome] = await self.peers.hints(hint.instance, envelope)
+            except (KvspError, ValueError) as exc:
+                reason = exc.detail if isinstance(exc, KvspError) else str(exc)
+                outcome = {
+                    "action_id": action["action_id"],
+                    "action_type": hint.action_type,
+                    "outcome": "deferred",
+                    "reason": f"{hint.instance}: {reason}",
+                }
+            self.hint_outcomes.labels(hint.action_type, str(outcome.get("outcome"))).inc()
+            if table is not None and entry is not None:
+                table.outcome(entry, hint, outcome)
+            outcomes.append({"instance": hint.instance, **outcome})
+        return outcomes
 
     def observe_ttft(self, principal: Principal, decision_id: str, ttft_us: float) -> float:
         """The measured time to first token of a placed request; returns the prediction."""

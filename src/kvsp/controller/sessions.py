@@ -83,15 +83,17 @@ class SessionTable:
     def open(
         self, first: SessionCheckpoint, instance: str, max_tokens: int | None = None
     ) -> Session:
-        """Place a session (or its next turn) at ``instance``; the epoch stays."""
+        """Place a session (or its next turn) at ``instance``; the epoch stays. A next turn is
+        a new request whose output starts again at offset 0: its checkpoint replaces the last
+        turn's, and nothing of it is acknowledged yet."""
         known = self._sessions.get(first.session)
         if known is not None:
             if (known.scope_id, known.compat_id) != (first.scope_id, first.compat_id):
                 raise Forbidden("a session keeps its scope and compatibility")
             known.instance = canonical_url(instance)
             known.max_tokens = max_tokens
-            if first.output_offset >= known.checkpoint.output_offset:
-                known.checkpoint = first.model_copy(update={"epoch": known.epoch})
+            known.checkpoint = first.model_copy(update={"epoch": known.epoch})
+            known.acknowledged = first.output_offset
             self._sessions.move_to_end(first.session)
             return known
         entry = Session(
@@ -131,6 +133,12 @@ class SessionTable:
             session.checkpoint = checkpoint
             session.acknowledged = checkpoint.output_offset
         return CheckpointAnswer(recorded, session.acknowledged, session.epoch)
+
+    def close(self, session: str) -> Session:
+        """Forget a session that is over (``NotFound`` if unknown)."""
+        entry = self.get(session)
+        del self._sessions[session]
+        return entry
 
     def served_by(self, instance: str) -> list[Session]:
         url = canonical_url(instance)

@@ -678,8 +678,10 @@ class InstanceService:
             session.released = max(
                 session.released, min(session.acknowledged, len(session.generated))
             )
-        if final:
-            session.released = max(session.released, session.acknowledged)
+        if final:  # never past what was generated, whatever the controller says
+            session.released = max(
+                session.released, min(session.acknowledged, len(session.generated))
+            )
         session.notify()
 
     async def stream(
