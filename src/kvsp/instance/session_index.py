@@ -141,19 +141,33 @@ class SessionPrefixIndex(Generic[K]):
             node.tiers.update(held)
             parent = key
         last = keys[-1]
-        # a frontier that is an ancestor of the new end is the same branch, extended
-        ancestors = set(self.path(last))
-        for old in [f for f in self._frontiers.get(session, ()) if f in ancestors]:
-            self._drop_frontier(session, old)
+        # a frontier that is an ancestor of the new end is the same branch, extended; frontiers
+        # are never ancestors of one another, so there is at most one
+        frontiers = self._frontiers.get(session)
+        if frontiers:
+            cursor = self._nodes[last].parent
+            while cursor is not None and cursor not in frontiers:
+                cursor = self._nodes[cursor].parent
+            if cursor is not None:
+                self._drop_frontier(session, cursor)
         self._add_frontier(session, last)
 
     def _add_frontier(self, session: str, key: K) -> None:
         """``key`` becomes a frontier of ``session`` unless a frontier already lies below it."""
         frontiers = self._frontiers.get(session, {})
-        if any(f != key and key in set(self.path(f)) for f in frontiers):
+        if self._nodes[key].children and any(f != key and self._below(f, key) for f in frontiers):
             return
         self._frontiers.setdefault(session, {})[key] = None
         self._nodes[key].frontier_of.add(session)
+
+    def _below(self, key: K, ancestor: K) -> bool:
+        """Whether ``ancestor`` is on ``key``'s path to the root."""
+        cursor: K | None = key
+        while cursor is not None:
+            if cursor == ancestor:
+                return True
+            cursor = self._nodes[cursor].parent
+        return False
 
     def resident(self, key: K, tiers: Iterable[LocalTier]) -> None:
         """The pool now holds ``key`` in exactly ``tiers`` (no-op for blocks not indexed:
@@ -231,5 +245,5 @@ class SessionPrefixIndex(Generic[K]):
             for key in frontiers:
                 if session not in self._nodes[key].frontier_of:
                     yield f"{session}'s frontier {key} does not know it"
-                if any(o != key and key in set(self.path(o)) for o in frontiers):
+                if any(o != key and self._below(o, key) for o in frontiers):
                     yield f"{session}'s frontier {key} is an ancestor of another frontier"
