@@ -43,3 +43,5 @@ bench: bench-deps
 	$(PY) benchmarks/holder_transfer.py
 	$(PY) benchmarks/placement.py
 	$(PY) benchmarks/engine_reuse.py
+	$(PY) benchmarks/session_index.py
+	$(PY) benchmarks/agentic_hints.py

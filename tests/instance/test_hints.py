@@ -184,3 +184,19 @@ def test_envelope_action_names_and_payload_errors() -> None:
     assert "scope_id" in pin({"target": {"block_keys": ["00" * 32]}})
     assert pin({"target": {"session": "s"}, "ttl_ms": -1}).startswith("ttl_ms")
     assert pin({"target": {"session": "s"}, "ttl": 5}).startswith("ttl: Extra")  # misspelt
+
+
+def test_a_block_two_sessions_pin_stays_pinned_until_both_let_go() -> None:
+    env = Env(g1=2, g2=1)
+    shared, own = put(env.store, 1), put(env.store, 2)
+    size = env.store.meta(shared).size
+    assert env.act("pin", [shared, own], owner="s1", ttl_ms=1_000).outcome == "accepted"
+    assert env.act("pin", [shared], owner="s2", ttl_ms=5_000).outcome == "accepted"
+    assert env.pins.octets_of("s2") == 0  # charged once, to s1
+    assert env.pins.release("s1") == 2
+    assert env.pins.leased(shared)  # s2 still pins it, and now pays for it
+    assert not env.pins.leased(own)
+    assert env.pins.octets_of("s2") == size
+    env.clock.advance(5_000)
+    assert env.pins.expire() == [shared]
+    assert env.pins.octets == 0

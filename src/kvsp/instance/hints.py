@@ -164,20 +164,25 @@ def parse_payload(action: HintAction) -> HintPayload | str:
 
 @dataclass(slots=True)
 class _Pin:
-    until_ms: int
-    owner: str
     octets: int
+    #: each owner's deadline (ms); the block stays pinned until the last one
+    owners: dict[str, int]
+    #: the owner whose limits the octets count against (another one when it lets go)
+    charged: str
 
 
 class PinTable:
     """Pinned blocks until their deadlines, within octet limits (a ``LeaseView`` for the store).
-    Expiry costs O(expired): deadlines sit in a heap."""
+
+    A block several sessions pin (a shared system prompt) stays pinned until the last of them
+    lets go or expires; its octets count once, against one owner at a time. Expiry costs
+    O(expired): deadlines sit in a heap."""
 
     def __init__(self, clock: Clock, limits: HintLimits) -> None:
         self.clock = clock
         self.limits = limits
         self._pins: dict[BlockId, _Pin] = {}
-        self._ends: list[tuple[int, BlockId]] = []
+        self._ends: list[tuple[int, BlockId, str]] = []
         self._octets: Counter[str] = Counter()
 
     @property
@@ -189,38 +194,52 @@ class PinTable:
 
     def until(self, block: BlockId) -> int | None:
         pin = self._pins.get(block)
-        return None if pin is None or pin.until_ms <= self.clock.now_ms() else pin.until_ms
+        if pin is None:
+            return None
+        last = max(pin.owners.values())
+        return last if last > self.clock.now_ms() else None
 
     def leased(self, block: BlockId) -> bool:
         return self.until(block) is not None
 
     def leased_blocks(self) -> Iterable[BlockId]:
-        now = self.clock.now_ms()
-        return [b for b, p in self._pins.items() if p.until_ms > now]
+        return [b for b in self._pins if self.until(b) is not None]
 
     def expire(self) -> list[BlockId]:
+        """Let go of every pin past its deadline; the blocks no longer pinned at all."""
         now = self.clock.now_ms()
         gone = []
         while self._ends and self._ends[0][0] <= now:
-            at, block = heapq.heappop(self._ends)
+            at, block, owner = heapq.heappop(self._ends)
             pin = self._pins.get(block)
-            if pin is not None and pin.until_ms == at:
-                self._forget(block, pin)
+            if pin is not None and pin.owners.get(owner) == at and self._let_go(block, owner):
                 gone.append(block)
         return gone
 
-    def _forget(self, block: BlockId, pin: _Pin) -> None:
+    def _let_go(self, block: BlockId, owner: str) -> bool:
+        """``owner`` no longer pins ``block``; True if nobody does any more."""
+        pin = self._pins[block]
+        del pin.owners[owner]
+        if pin.charged == owner:
+            self._charge(owner, -pin.octets)
+            if pin.owners:
+                pin.charged = next(iter(pin.owners))
+                self._charge(pin.charged, pin.octets)
+        if pin.owners:
+            return False
         del self._pins[block]
-        self._octets[pin.owner] -= pin.octets
-        if self._octets[pin.owner] <= 0:
-            del self._octets[pin.owner]
+        return True
+
+    def _charge(self, owner: str, octets: int) -> None:
+        self._octets[owner] += octets
+        if self._octets[owner] <= 0:
+            del self._octets[owner]
 
     def pin(
         self, owner: str, blocks: Sequence[tuple[BlockId, int]], until_ms: int
     ) -> list[BlockId]:
         """Pin blocks (with their octets) in order until ``until_ms`` while the limits allow;
-        the blocks pinned (a block already pinned keeps the later deadline and costs nothing
-        more)."""
+        the blocks pinned. A block pinned already (by anyone) costs nothing more."""
         self.expire()
         done = []
         total = self.octets
@@ -232,23 +251,20 @@ class PinTable:
                     or total + octets > self.limits.pin_total_bytes
                 ):
                     break
-                pin = self._pins[block] = _Pin(until_ms, owner, octets)
-                self._octets[owner] += octets
+                pin = self._pins[block] = _Pin(octets, {}, owner)
+                self._charge(owner, octets)
                 total += octets
-            elif until_ms > pin.until_ms:
-                pin.until_ms = until_ms
-            else:
-                done.append(block)
-                continue
-            heapq.heappush(self._ends, (until_ms, block))
+            if until_ms > pin.owners.get(owner, 0):
+                pin.owners[owner] = until_ms
+                heapq.heappush(self._ends, (until_ms, block, owner))
             done.append(block)
         return done
 
     def release(self, owner: str) -> int:
         """Drop every pin ``owner`` holds (a session ended); how many."""
-        mine = [(b, p) for b, p in self._pins.items() if p.owner == owner]
-        for block, pin in mine:
-            self._forget(block, pin)
+        mine = [b for b, p in self._pins.items() if owner in p.owners]
+        for block in mine:
+            self._let_go(block, owner)
         return len(mine)
 
 

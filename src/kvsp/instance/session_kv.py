@@ -165,6 +165,9 @@ class SessionKv:
                 return rejected("the session index is off; target block keys instead")
             blocks = self.index.blocks(target.session)
             owner = target.session
+            if name == "demote":  # blocks other sessions also own stay where they are
+                index = self.index
+                blocks = [b for b in blocks if index.members(b) <= {target.session}]
         elif scope is not None and keys is not None:
             try:
                 authorize(principal, BLOCK_ROLES, scope=scope)
