@@ -377,8 +377,8 @@ class ControllerService:
     ) -> list[dict[str, Any]]:
         """A turn of ``session`` is over (its output delivered): tell the instance holding its
         KV what the policy says; the outcomes."""
-        authorize(principal, OPERATOR_ROLES)
         entry = self.sessions.get(session)
+        authorize(principal, OPERATOR_ROLES, scope=entry.scope_id)
         if self.session_hints is None:
             return []
         planned = self.session_hints.turn_ended(
@@ -388,7 +388,7 @@ class ControllerService:
 
     async def end_session(self, principal: Principal, session: str) -> list[dict[str, Any]]:
         """The session is over: the policy's last hints, then the instance forgets it."""
-        authorize(principal, OPERATOR_ROLES)
+        authorize(principal, OPERATOR_ROLES, scope=self.sessions.get(session).scope_id)
         entry = self.sessions.close(session)
         outcomes: list[dict[str, Any]] = []
         if self.session_hints is not None:
@@ -426,7 +426,13 @@ class ControllerService:
                     "outcome": "deferred",
                     "reason": f"{hint.instance}: {reason}",
                 }
-            self.hint_outcomes.labels(hint.action_type, str(outcome.get("outcome"))).inc()
+            said = outcome.get("outcome")
+            known = (
+                said
+                if said in ("accepted", "clipped", "deferred", "rejected", "missing")
+                else "invalid"
+            )
+            self.hint_outcomes.labels(hint.action_type, known).inc()
             if table is not None and entry is not None:
                 table.outcome(entry, hint, outcome)
             outcomes.append({"instance": hint.instance, **outcome})

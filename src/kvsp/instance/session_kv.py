@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+
+from prometheus_client import Counter, Gauge
 
 from kvsp.auth import Principal, authorize
 from kvsp.core.container import Container
@@ -78,6 +79,25 @@ class SessionKv:
         self.local = LocalHints(holder.store, pins, pins.limits, g1_layers)
         #: local tiers of every block held, to report changes only
         self._tiers: dict[BlockId, frozenset[str]] = {}
+        registry = holder.registry
+        self.outcomes = Counter(
+            "kvsp_instance_hints", "KvHint actions, by action type and outcome",
+            ["action", "outcome"], registry=registry,
+        )  # fmt: skip
+        Gauge(
+            "kvsp_instance_pinned_bytes", "Octets pinned by KvHints", registry=registry
+        ).set_function(lambda: self.pins.octets)
+        Gauge(
+            "kvsp_instance_indexed_blocks", "Blocks in the SessionPrefixIndex", registry=registry
+        ).set_function(lambda: 0 if self.index is None else len(self.index))
+        Gauge(
+            "kvsp_instance_indexed_sessions",
+            "Sessions in the SessionPrefixIndex",
+            registry=registry,
+        ).set_function(lambda: 0 if self.index is None else len(self.index.sessions()))
+        Gauge(
+            "kvsp_instance_last_event", "Sequence number of the latest event", registry=registry
+        ).set_function(lambda: self.events.last)
 
     @property
     def limits(self) -> HintLimits:
@@ -142,6 +162,8 @@ class SessionKv:
         outcomes = []
         for action in hints.actions:
             outcome = await self._one(principal, compat_id, action)
+            # our names only: a caller's free text must not grow the metric without bound
+            self.outcomes.labels(action_name(action) or "unsupported", outcome.outcome).inc()
             self.events.append("hint", message_id=hints.message_id, **outcome.to_json())
             outcomes.append(outcome)
         return outcomes
@@ -221,12 +243,3 @@ class SessionKv:
         finally:
             await self.holder.call(lambda: self.in_use.release([b for b, _ in taken]))
         return outcome
-
-    def summary(self) -> dict[str, Any]:
-        """Figures for the status page and metrics."""
-        return {
-            "indexed_blocks": 0 if self.index is None else len(self.index),
-            "indexed_sessions": 0 if self.index is None else len(self.index.sessions()),
-            "pinned_bytes": self.pins.octets,
-            "last_event": self.events.last,
-        }
