@@ -348,6 +348,9 @@ def controller_serve_command(
     min_active: Annotated[int, typer.Option("--min-active", min=0)] = 1,
     max_cost_us: Annotated[float, typer.Option("--max-cost-us", min=0)] = float("inf"),
     mean_service_us: Annotated[float, typer.Option("--mean-service-us", min=0)] = 500_000.0,
+    frontend: Annotated[
+        bool, typer.Option("--frontend", help="serve v1/completions for the installed model")
+    ] = False,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run the Placement Controller on HOST:PORT under /kvsp/."""
@@ -367,7 +370,14 @@ def controller_serve_command(
         instances=InstancePolicy(min_active=min_active),
     )
     principals = _principals(auth, host)
-    _serve(create_app(ControllerService(config), principals), host, port, log_level)
+    service = ControllerService(config)
+    front = None
+    if frontend:
+        from kvsp.controller.frontend import load_frontend
+        from kvsp.instance.model import installed
+
+        front = load_frontend(service, installed(None, block_tokens), config.instance_token)
+    _serve(create_app(service, principals, front), host, port, log_level)
 
 
 @model_app.command("install")

@@ -4,6 +4,7 @@ every block, instances on the real model, and optionally a controller."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,28 @@ PROMPT = [6403, 1980, 253, 655, 28, 281, 253, 1165, 6560, 411, 260, 3426, 28, 66
           260, 6560, 351]  # fmt: skip
 
 
-class Cluster:
-    def __init__(self, tmp: Path, compat: str, controller: bool = False) -> None:
-        tenants = tmp / "tenants.toml"
-        tenants.write_text(
-            f'[tenants.acme]\nscope_key = "{SCOPE_KEY}"\ncompat_ids = ["{compat}"]\n'
+#: API keys of the front end: tenant acme and another tenant, other
+KEYS = {"acme": "key-acme", "other": "key-other"}
+
+
+def tenants_toml(compat: str) -> str:
+    """Two tenants with their own scope keys and front-end API keys."""
+    out = []
+    for name, scope_key in (("acme", SCOPE_KEY), ("other", "66" * 32)):
+        digest = hashlib.sha256(KEYS[name].encode()).hexdigest()
+        out.append(
+            f'[tenants.{name}]\nscope_key = "{scope_key}"\ncompat_ids = ["{compat}"]\n'
+            f'api_keys_sha256 = ["{digest}"]\n'
         )
+    return "\n".join(out)
+
+
+class Cluster:
+    def __init__(
+        self, tmp: Path, compat: str, controller: bool = False, frontend: bool = False
+    ) -> None:
+        tenants = tmp / "tenants.toml"
+        tenants.write_text(tenants_toml(compat))
         self.index = Service("index", "serve", "--log-level", "warning")
         holder_port = free_port()
         self.holder_url = f"http://127.0.0.1:{holder_port}/kvsp/"
@@ -41,6 +58,7 @@ class Cluster:
             self.controller = Service(
                 "controller", "serve", "--tenants", str(tenants), "--index", self.index.base_url,
                 "--min-active", "1", "--log-level", "warning",
+                *(["--frontend"] if frontend else []),
             )  # fmt: skip
         self.tenants = tenants
 

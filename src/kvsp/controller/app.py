@@ -15,6 +15,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvsp.auth import Principals
+from kvsp.controller.frontend import FrontEnd, frontend_routes
 from kvsp.controller.service import ControllerService
 from kvsp.core.records import (
     MAX_KEYS_PER_REQUEST,
@@ -80,7 +81,16 @@ def _json(doc: Any, status: int = 200) -> Response:
     return json_response(json.dumps(doc).encode(), status)
 
 
-def create_app(service: ControllerService, principals: Principals) -> Starlette:
+def create_app(
+    service: ControllerService, principals: Principals, frontend: FrontEnd | None = None
+) -> Starlette:
+    """The controller's routes, and the OpenAI-compatible front end when one is given."""
+
+    async def close() -> None:
+        if frontend is not None:
+            await frontend.aclose()
+        await service.close()
+
     async def body(request: Request) -> bytes:
         return await read_json_body(request, _BODY_OCTETS)
 
@@ -211,8 +221,9 @@ def create_app(service: ControllerService, principals: Principals) -> Starlette:
             Route(base + "shards/{map}/reshard", reshard, methods=["POST"]),
             Route(base + "healthz", healthz, methods=["GET"]),
             Route(base + "metrics", metrics, methods=["GET"]),
+            *([] if frontend is None else frontend_routes(frontend, base, _BODY_OCTETS)),
         ],
-        lifespan=lifespan_of(service.start, service.close),
+        lifespan=lifespan_of(service.start, close),
     )
     install_problem_handlers(app, log, lambda slug: service.rejected.labels(slug).inc())
     return app

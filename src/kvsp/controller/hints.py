@@ -188,6 +188,9 @@ class SessionHintTable:
         entry = self._sessions.pop(session, None)
         return entry, ([] if entry is None else self.policy.session_ended(entry))
 
+    def forget(self, session: str) -> None:
+        self._sessions.pop(session, None)
+
     def outcome(self, entry: SessionHints, hint: PlannedHint, outcome: dict[str, Any]) -> None:
         entry.outcomes[f"{hint.action_type}:{outcome.get('outcome')}"] += 1
         self.policy.outcome(entry, hint, outcome)

@@ -400,6 +400,14 @@ class ControllerService:
             log.warning("session %s not ended at %s: %s", session, entry.instance, exc.detail)
         return outcomes
 
+    def forget_session(self, session: str) -> None:
+        """A request's own session is done: the controller and its instance forget it, with
+        no hints (nothing will come back to it)."""
+        entry = self.sessions.close(session)
+        if self.session_hints is not None:
+            self.session_hints.forget(session)
+        self._background(self.peers.end_session(entry.instance, session))
+
     async def _send_hints(
         self, session: str, planned: Sequence[PlannedHint], entry: SessionHints | None = None
     ) -> list[dict[str, Any]]:

@@ -11,6 +11,8 @@ controller and instances read this file, and no key is ever logged or shown (``r
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 import tomllib
 from collections.abc import Iterator, Mapping
@@ -91,6 +93,16 @@ class Tenants:
         found = self._tenants.get(name)
         if found is None:
             raise NotFound(f"no tenant {name!r}")
+        return found
+
+    def by_api_key(self, key: str) -> Tenant | None:
+        """The tenant an API key belongs to (compared as SHA-256, in constant time)."""
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        found = None
+        for tenant in self._tenants.values():
+            for known in tenant.api_keys_sha256:
+                if hmac.compare_digest(known, digest):
+                    found = tenant
         return found
 
     def __iter__(self) -> Iterator[Tenant]:
