@@ -9,9 +9,11 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+import signal
 import sys
+import time
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
@@ -25,6 +27,9 @@ from kvsp.core.ids import parse_block_key, parse_compat_id
 from kvsp.core.keys import ROOT_PARENT, block_keys, scope_id
 from kvsp.core.problems import InvalidInput, KvspError
 from kvsp.core.registries import CODEC_RAW
+
+if TYPE_CHECKING:
+    from kvsp.local import LocalCluster
 
 __all__ = ["app", "main"]
 
@@ -459,6 +464,75 @@ def instance_serve_command(
     )
     principals = _principals(auth, host)
     _serve(create_app(InstanceService(config), principals), host, port, log_level)
+
+
+@app.command("up")
+def up_command(
+    instances: Annotated[int, typer.Option("--instances", min=1, max=16)] = 2,
+    port: Annotated[
+        int | None, typer.Option("--port", min=1, max=65535, help="the controller's port")
+    ] = None,
+    folder: Annotated[
+        Path | None, typer.Option("--dir", help="where files and logs go (default: a new one)")
+    ] = None,
+    g1_blocks: Annotated[int, typer.Option("--g1-blocks", min=1)] = 256,
+    g2_bytes: Annotated[str, typer.Option("--g2-bytes")] = "1G",
+) -> None:
+    """Run an Index Service, a controller with the OpenAI-compatible front end and INSTANCES
+    inference instances on loopback until Ctrl-C (install the model first)."""
+    import tempfile
+
+    from kvsp.local import LocalCluster
+
+    where = folder or Path(tempfile.mkdtemp(prefix="kvsp-up-"))
+    cluster = LocalCluster(where, instances, port, g1_blocks, g2_bytes)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop cleanly on SIGTERM too
+    try:
+        cluster.start()
+        _announce(cluster)
+        while True:
+            time.sleep(1.0)
+            sys.stdout.write("\r" + _status_line(cluster) + " " * 8)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        sys.stdout.write("\nstopping...\n")
+    finally:
+        cluster.stop()
+    sys.stdout.write("stopped: no kvsp process left\n")
+
+
+def _announce(cluster: LocalCluster) -> None:
+    info = cluster.describe()
+    base = info["openai_base_url"]
+    lines = [
+        "kvsp is up",
+        f"  OpenAI base URL  {base}",
+        f"  API key          {info['api_key']}",
+        f"  controller       {info['controller']}  (operator token {info['operator_token']})",
+        f"  Index Service    {info['index']}",
+        *(f"  instance         {p.url}" for p in cluster.instance_processes),
+        f"  files and logs   {cluster.folder}",
+        "try:",
+        f"  curl -s {base}/completions -H 'Authorization: Bearer {info['api_key']}' \\",
+        "    -H 'Content-Type: application/json' \\",
+        '    -d \'{"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}\'',
+        "Ctrl-C stops everything.",
+    ]
+    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.flush()
+
+
+def _status_line(cluster: LocalCluster) -> str:
+    try:
+        view = cluster.view()
+    except Exception as exc:
+        return f"controller unreachable: {exc}"
+    parts = [
+        f"{str(i['instance']).split(':')[-1].split('/')[0]} {i['state']} "
+        f"running {i['running']} kv {float(str(i['kv_utilization'])):.0%}"
+        for i in view
+    ]
+    return time.strftime("%H:%M:%S ") + " | ".join(parts)
 
 
 def _fail(message: str) -> NoReturn:

@@ -1,0 +1,265 @@
+"""A whole kvsp cluster on this machine: an Index Service, a controller with the OpenAI-compatible
+front end, and inference instances, each a separate process on loopback.
+
+``LocalCluster`` writes what the services need into its folder (a principals file with one token
+per service and one for the operator, a tenants file with one tenant and its API key, the token
+files), starts the processes, waits until each answers ``healthz``, and stops them all: SIGTERM,
+then SIGKILL for any that has not exited after a grace period, so no process is left behind.
+``kvsp up`` runs one until Ctrl-C; ``kvsp demo`` runs a workload on one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvsp.auth import token_sha256
+from kvsp.core.problems import ServiceUnavailable
+from kvsp.instance.model import installed
+
+__all__ = ["LocalCluster", "Process"]
+
+TENANT = "demo"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Process:
+    name: str
+    args: list[str]
+    port: int
+    log: Path
+    popen: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/kvsp/"
+
+    def start(self) -> None:
+        out = self.log.open("ab")
+        # a session of its own: a Ctrl-C in the terminal reaches ``kvsp up``, which then stops
+        # every process in order, instead of each child on its own
+        self.popen = subprocess.Popen(  # noqa: S603 - our own command line, no shell
+            [sys.executable, "-m", "kvsp", *self.args, "--port", str(self.port)],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        out.close()
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+
+@dataclass
+class LocalCluster:
+    folder: Path
+    instances: int = 2
+    controller_port: int | None = None
+    #: per instance: G1 blocks and G2 bytes
+    g1_blocks: int = 256
+    g2_bytes: str = "1G"
+    status_ttl_ms: int = 3_000
+    processes: list[Process] = field(default_factory=list)
+    api_key: str = field(default_factory=lambda: "sk-kvsp-" + secrets.token_hex(16))
+    operator_token: str = field(default_factory=lambda: secrets.token_hex(24))
+
+    # -- files -----------------------------------------------------------------------------------
+
+    def _write(self, name: str, text: str) -> Path:
+        path = self.folder / name
+        path.write_text(text, encoding="utf-8")
+        path.chmod(0o600)
+        return path
+
+    def prepare(self) -> None:
+        """Ports, tokens, the principals and tenants files, and the process list."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        compat = installed().compat_id.hex()
+        index_port = free_port()
+        controller_port = self.controller_port or free_port()
+        ports = [free_port() for _ in range(self.instances)]
+        urls = [f"http://127.0.0.1:{p}/kvsp/" for p in ports]
+        tokens = {name: secrets.token_hex(24) for name in ["controller", *map(str, ports)]}
+        principals = [
+            self._principal("operator", self.operator_token, ["admin"], ["*"]),
+            self._principal("controller", tokens["controller"], ["controller"], ["*"]),
+            *(
+                self._principal(f"instance-{p}", tokens[str(p)], ["instance", "holder"], [u])
+                for p, u in zip(ports, urls, strict=True)
+            ),
+        ]
+        auth = str(self._write("principals.toml", "\n".join(principals)))
+        tenants = str(
+            self._write(
+                "tenants.toml",
+                f'[tenants.{TENANT}]\nscope_key = "{secrets.token_hex(32)}"\n'
+                f'compat_ids = ["{compat}"]\n'
+                f'api_keys_sha256 = ["{token_sha256(self.api_key)}"]\n',
+            )
+        )
+        controller_token = str(self._write("controller.token", tokens["controller"]))
+        logs = self.folder / "logs"
+        logs.mkdir(exist_ok=True)
+        index = Process(
+            "index", ["index", "serve", "--auth", auth, "--log-level", "warning"], index_port,
+            logs / "index.log",
+        )  # fmt: skip
+        controller = Process(
+            "controller",
+            ["controller", "serve", "--tenants", tenants, "--index", index.url, "--auth", auth,
+             "--index-token-file", controller_token, "--instance-token-file", controller_token,
+             "--frontend", "--log-level", "warning"],
+            controller_port, logs / "controller.log",
+        )  # fmt: skip
+        self.processes = [index, controller]
+        for n, (port, url) in enumerate(zip(ports, urls, strict=True)):
+            token = str(self._write(f"instance-{n}.token", tokens[str(port)]))
+            self.processes.append(
+                Process(
+                    f"instance-{n}",
+                    [
+                        "instance",
+                        "serve",
+                        "--url",
+                        url,
+                        "--tenants",
+                        tenants,
+                        "--auth",
+                        auth,
+                        "--controller",
+                        controller.url,
+                        "--index",
+                        index.url,
+                        "--token-file",
+                        token,
+                        "--session-index",
+                        "--g1-blocks",
+                        str(self.g1_blocks),
+                        "--g2-bytes",
+                        self.g2_bytes,
+                        "--status-ttl-ms",
+                        str(self.status_ttl_ms),
+                        "--threads",
+                        "1",
+                        "--log-level",
+                        "warning",
+                    ],
+                    port,
+                    logs / f"instance-{n}.log",
+                )
+            )
+        (self.folder / "cluster.json").write_text(json.dumps(self.describe(), indent=2))
+
+    @staticmethod
+    def _principal(name: str, token: str, roles: list[str], holders: list[str]) -> str:
+        return (
+            f'[principals."{name}"]\ntoken_sha256 = "{token_sha256(token)}"\n'
+            f"roles = {json.dumps(roles)}\nholders = {json.dumps(holders)}\n"
+            f'scopes = ["*"]\n'
+        )
+
+    # -- running ---------------------------------------------------------------------------------
+
+    @property
+    def index(self) -> Process:
+        return self.processes[0]
+
+    @property
+    def controller(self) -> Process:
+        return self.processes[1]
+
+    @property
+    def instance_processes(self) -> list[Process]:
+        return self.processes[2:]
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "index": self.index.url,
+            "controller": self.controller.url,
+            "openai_base_url": self.controller.url + "v1",
+            "instances": [p.url for p in self.instance_processes],
+            "api_key": self.api_key,
+            "operator_token": self.operator_token,
+            "logs": str(self.folder / "logs"),
+        }
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Start every process and wait until each is healthy and every instance active."""
+        if not self.processes:
+            self.prepare()
+        try:
+            for process in self.processes:
+                process.start()
+                self._healthy(process, timeout_s)
+            self.wait_active(len(self.instance_processes), timeout_s)
+            (self.folder / "cluster.json").write_text(
+                json.dumps({**self.describe(), "pids": self.pids()}, indent=2)
+            )
+        except BaseException:
+            self.stop()
+            raise
+
+    def _healthy(self, process: Process, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not process.alive():
+                tail = process.log.read_text(errors="replace")[-2000:]
+                raise ServiceUnavailable(f"{process.name} exited at start:\n{tail}")
+            try:
+                if httpx.get(process.url + "healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise ServiceUnavailable(f"{process.name} did not answer within {timeout_s} s")
+
+    def view(self) -> list[dict[str, object]]:
+        """The controller's view of the instances."""
+        answer = httpx.get(
+            self.controller.url + "instances",
+            headers={"authorization": f"Bearer {self.operator_token}"},
+            timeout=5,
+        )
+        instances: list[dict[str, object]] = answer.json()["instances"]
+        return instances
+
+    def wait_active(self, count: int, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if sum(1 for i in self.view() if i["state"] == "active") >= count:
+                return
+            time.sleep(0.1)
+        raise ServiceUnavailable(f"fewer than {count} instances became active")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to every process still running, then SIGKILL to any left after ``grace_s``."""
+        for process in reversed(self.processes):
+            if process.alive() and process.popen is not None:
+                process.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in self.processes:
+            if process.popen is None:
+                continue
+            try:
+                process.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.popen.pid, signal.SIGKILL)
+                process.popen.wait()
+
+    def pids(self) -> list[int]:
+        return [p.popen.pid for p in self.processes if p.popen is not None]
