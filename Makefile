@@ -22,7 +22,7 @@ setup: $(STAMP) system-deps
 	$(VENV)/bin/kvsp model install >/dev/null
 
 demo: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/core-walkthrough.sh
+	$(VENV)/bin/kvsp demo
 
 lint: setup
 	$(VENV)/bin/ruff check $(SRC)

@@ -49,7 +49,7 @@ def test_up_serves_completions_and_ctrl_c_leaves_no_process(
         info = json.loads((folder / "cluster.json").read_text())
         assert info["openai_base_url"] in text
         assert "curl -s" in text
-        assert len(info["pids"]) == 4  # the IS, the controller, two instances
+        assert len(info["pids"]) == 5  # the IS, the controller, the holder, two instances
         body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
         headers = {"authorization": f"Bearer {info['api_key']}"}
         answer = httpx.post(

@@ -478,8 +478,8 @@ def up_command(
     g1_blocks: Annotated[int, typer.Option("--g1-blocks", min=1)] = 256,
     g2_bytes: Annotated[str, typer.Option("--g2-bytes")] = "1G",
 ) -> None:
-    """Run an Index Service, a controller with the OpenAI-compatible front end and INSTANCES
-    inference instances on loopback until Ctrl-C (install the model first)."""
+    """Run an Index Service, a controller with the OpenAI-compatible front end, a holder and
+    INSTANCES inference instances on loopback until Ctrl-C (install the model first)."""
     import tempfile
 
     from kvsp.local import LocalCluster
@@ -501,6 +501,26 @@ def up_command(
     sys.stdout.write("stopped: no kvsp process left\n")
 
 
+@app.command("demo")
+def demo_command(
+    folder: Annotated[
+        Path | None, typer.Option("--dir", help="where files and logs go (default: a new one)")
+    ] = None,
+) -> None:
+    """Bring up a cluster on this machine and show what kvsp does: cached prefixes local and
+    remote, a tool gap kept by hints, an instance killed mid-generation. Exit 0 only if every
+    check held."""
+    import tempfile
+
+    from kvsp.demo import run_demo
+    from kvsp.instance.model import install
+
+    install()
+    where = folder or Path(tempfile.mkdtemp(prefix="kvsp-demo-"))
+    if not run_demo(where):
+        raise SystemExit(1)
+
+
 def _announce(cluster: LocalCluster) -> None:
     info = cluster.describe()
     base = info["openai_base_url"]
@@ -510,6 +530,7 @@ def _announce(cluster: LocalCluster) -> None:
         f"  API key          {info['api_key']}",
         f"  controller       {info['controller']}  (operator token {info['operator_token']})",
         f"  Index Service    {info['index']}",
+        f"  holder           {info['holder']}",
         *(f"  instance         {p.url}" for p in cluster.instance_processes),
         f"  files and logs   {cluster.folder}",
         "try:",

@@ -1,5 +1,6 @@
 """A whole kvsp cluster on this machine: an Index Service, a controller with the OpenAI-compatible
-front end, and inference instances, each a separate process on loopback.
+front end, a holder that keeps a copy of every block (so a session outlives its instance), and
+inference instances, each a separate process on loopback.
 
 ``LocalCluster`` writes what the services need into its folder (a principals file with one token
 per service and one for the operator, a tenants file with one tenant and its API key, the token
@@ -74,8 +75,12 @@ class LocalCluster:
     g1_blocks: int = 256
     g2_bytes: str = "1G"
     status_ttl_ms: int = 3_000
+    #: the holder that keeps a copy of every block, so sessions outlive their instance
+    holder_bytes: str = "2G"
     processes: list[Process] = field(default_factory=list)
     api_key: str = field(default_factory=lambda: "sk-kvsp-" + secrets.token_hex(16))
+    #: a second tenant's key: its own scope, so it never shares the first one's cache
+    other_api_key: str = field(default_factory=lambda: "sk-kvsp-" + secrets.token_hex(16))
     operator_token: str = field(default_factory=lambda: secrets.token_hex(24))
 
     # -- files -----------------------------------------------------------------------------------
@@ -91,13 +96,18 @@ class LocalCluster:
         self.folder.mkdir(parents=True, exist_ok=True)
         compat = installed().compat_id.hex()
         index_port = free_port()
+        holder_port = free_port()
+        holder_url = f"http://127.0.0.1:{holder_port}/kvsp/"
         controller_port = self.controller_port or free_port()
         ports = [free_port() for _ in range(self.instances)]
         urls = [f"http://127.0.0.1:{p}/kvsp/" for p in ports]
-        tokens = {name: secrets.token_hex(24) for name in ["controller", *map(str, ports)]}
+        tokens = {
+            name: secrets.token_hex(24) for name in ["controller", "holder", *map(str, ports)]
+        }
         principals = [
             self._principal("operator", self.operator_token, ["admin"], ["*"]),
             self._principal("controller", tokens["controller"], ["controller"], ["*"]),
+            self._principal("holder", tokens["holder"], ["holder"], [holder_url]),
             *(
                 self._principal(f"instance-{p}", tokens[str(p)], ["instance", "holder"], [u])
                 for p, u in zip(ports, urls, strict=True)
@@ -107,12 +117,15 @@ class LocalCluster:
         tenants = str(
             self._write(
                 "tenants.toml",
-                f'[tenants.{TENANT}]\nscope_key = "{secrets.token_hex(32)}"\n'
-                f'compat_ids = ["{compat}"]\n'
-                f'api_keys_sha256 = ["{token_sha256(self.api_key)}"]\n',
+                "\n".join(
+                    f'[tenants.{name}]\nscope_key = "{secrets.token_hex(32)}"\n'
+                    f'compat_ids = ["{compat}"]\napi_keys_sha256 = ["{token_sha256(key)}"]\n'
+                    for name, key in ((TENANT, self.api_key), ("other", self.other_api_key))
+                ),
             )
         )
         controller_token = str(self._write("controller.token", tokens["controller"]))
+        holder_token = str(self._write("holder.token", tokens["holder"]))
         logs = self.folder / "logs"
         logs.mkdir(exist_ok=True)
         index = Process(
@@ -126,7 +139,14 @@ class LocalCluster:
              "--frontend", "--log-level", "warning"],
             controller_port, logs / "controller.log",
         )  # fmt: skip
-        self.processes = [index, controller]
+        holder = Process(
+            "holder",
+            ["holder", "serve", "--url", holder_url, "--host-bytes", self.holder_bytes, "--index",
+             index.url, "--index-token-file", holder_token, "--auth", auth, "--log-level",
+             "warning"],
+            holder_port, logs / "holder.log",
+        )  # fmt: skip
+        self.processes = [index, controller, holder]
         for n, (port, url) in enumerate(zip(ports, urls, strict=True)):
             token = str(self._write(f"instance-{n}.token", tokens[str(port)]))
             self.processes.append(
@@ -147,6 +167,8 @@ class LocalCluster:
                         index.url,
                         "--token-file",
                         token,
+                        "--offload",
+                        holder.url,
                         "--session-index",
                         "--g1-blocks",
                         str(self.g1_blocks),
@@ -184,13 +206,18 @@ class LocalCluster:
         return self.processes[1]
 
     @property
+    def holder(self) -> Process:
+        return self.processes[2]
+
+    @property
     def instance_processes(self) -> list[Process]:
-        return self.processes[2:]
+        return self.processes[3:]
 
     def describe(self) -> dict[str, object]:
         return {
             "index": self.index.url,
             "controller": self.controller.url,
+            "holder": self.holder.url,
             "openai_base_url": self.controller.url + "v1",
             "instances": [p.url for p in self.instance_processes],
             "api_key": self.api_key,

@@ -221,7 +221,8 @@ class ControllerService:
             for result in self.reshards.member_failed(instance.url):
                 await self._finish_reshard(result)
             for session in self.sessions.served_by(instance.url):
-                await self._fail_over(session.session)
+                if not session.turn_done:  # a delivered turn has nothing left to resume
+                    await self._fail_over(session.session)
 
     # -- statuses and lifecycle ----------------------------------------------------------------
 
@@ -379,6 +380,7 @@ class ControllerService:
         KV what the policy says; the outcomes."""
         entry = self.sessions.get(session)
         authorize(principal, OPERATOR_ROLES, scope=entry.scope_id)
+        entry.turn_done = True
         if self.session_hints is None:
             return []
         planned = self.session_hints.turn_ended(

@@ -44,6 +44,8 @@ class Session:
     failovers: int = 0
     #: the request's output limit, passed on to a resumed instance (None: the instance's own)
     max_tokens: int | None = None
+    #: the current turn was delivered in full: nothing to resume if its instance fails
+    turn_done: bool = False
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -53,6 +55,7 @@ class Session:
             "output_offset": self.checkpoint.output_offset,
             "acknowledged": self.acknowledged,
             "failovers": self.failovers,
+            "turn_done": self.turn_done,
         }
 
 
@@ -92,6 +95,7 @@ class SessionTable:
                 raise Forbidden("a session keeps its scope and compatibility")
             known.instance = canonical_url(instance)
             known.max_tokens = max_tokens
+            known.turn_done = False
             known.checkpoint = first.model_copy(update={"epoch": known.epoch})
             known.acknowledged = first.output_offset
             self._sessions.move_to_end(first.session)
