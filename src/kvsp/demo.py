@@ -183,6 +183,7 @@ def _sessions(demo: Demo, console: Console) -> None:
     remote: Answer | None = None
     continuation_cached = continuation_prompt = 0
     same = True
+    served: set[str] = set()
     turns = len(QUESTIONS[0])
     with Progress(console=console) as progress:
         task = progress.add_task("multi-turn sessions", total=turns * len(QUESTIONS))
@@ -201,6 +202,7 @@ def _sessions(demo: Demo, console: Console) -> None:
                     demo.set_state(drained, "active")
                     remote = answer
                 same = same and answer.tokens == demo.reference(messages)
+                served.add(str(answer.summary["instance"]))
                 if cold is None:
                     cold = answer.ttft_s
                 elif turn > 0 and drained is None:
@@ -213,6 +215,7 @@ def _sessions(demo: Demo, console: Console) -> None:
     if cold is None or remote is None:
         raise RuntimeError("the workload ran no turn")
     warm = statistics.mean(local)
+    demo.check("instances that served the sessions", f"{len(served)}", len(served) == 2)
     demo.check("TTFT cold (first request)", f"{cold * 1000:.0f} ms", True)
     demo.check("TTFT warm local (mean of continuations)", f"{warm * 1000:.0f} ms", warm < cold)
     demo.check(
