@@ -19,13 +19,11 @@ from typing import Any
 import httpx
 import uvicorn
 
+from kvsp.local import free_port
+
+__all__ = ["KVSP", "RedisServer", "Service", "free_port", "running", "serving"]
+
 KVSP = Path(sys.executable).with_name("kvsp")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_for(check: object, what: str, timeout_s: float = 20.0) -> None:

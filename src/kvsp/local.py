@@ -28,16 +28,25 @@ from kvsp.auth import token_sha256
 from kvsp.core.problems import ServiceUnavailable
 from kvsp.instance.model import installed
 
-__all__ = ["LocalCluster", "Process"]
+__all__ = ["LocalCluster", "Process", "free_port"]
 
 TENANT = "demo"
 
 
+#: ports this process handed out: the kernel may offer a released port again before the
+#: service it was meant for has bound it
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A loopback port nobody listens on, never the same twice in this process."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 @dataclass
