@@ -62,6 +62,13 @@ class Cluster:
             )  # fmt: skip
         self.tenants = tenants
 
+    @property
+    def pc(self) -> str:
+        """The controller's base URL."""
+        if self.controller is None:
+            raise AssertionError("this cluster has no controller")
+        return self.controller.base_url
+
     def instance(self, *extra: str) -> Service:
         port = free_port()
         args = [
@@ -106,3 +113,10 @@ async def eventually(check: Any, expected: Any) -> None:
             return
         await asyncio.sleep(0.1)
     assert found == expected
+
+
+async def active(pc: str) -> set[str]:
+    """The instances the controller at ``pc`` has active."""
+    async with httpx.AsyncClient() as http:
+        view = (await http.get(pc + "instances")).json()["instances"]
+    return {i["instance"] for i in view if i["state"] == "active"}

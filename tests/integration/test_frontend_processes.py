@@ -26,7 +26,7 @@ from kvsp.core.ids import parse_compat_id
 from kvsp.core.keys import block_keys, scope_id
 from kvsp.core.records import Sampler
 from kvsp.instance.engine import Engine, KvState
-from tests.integration.instances import KEYS, PROMPT, SCOPE_KEY, Cluster, eventually
+from tests.integration.instances import KEYS, PROMPT, SCOPE_KEY, Cluster, active, eventually
 from tests.servers import Service, free_port, running
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -65,18 +65,11 @@ async def sse(
     raise AssertionError("the stream ended without [DONE]")
 
 
-async def active(pc: str) -> set[str]:
-    async with httpx.AsyncClient() as http:
-        view = (await http.get(pc + "instances")).json()["instances"]
-    return {i["instance"] for i in view if i["state"] == "active"}
-
-
 async def test_reuse_across_instances_chat_and_streaming(
     tmp_path: Path, reference: list[int], compat: str
 ) -> None:
     cluster = Cluster(tmp_path, compat, controller=True, frontend=True)
-    assert cluster.controller is not None
-    pc = cluster.controller.base_url
+    pc = cluster.pc
     a, b = cluster.instance(), cluster.instance()
     with running(cluster.index, cluster.holder, cluster.controller, a, b):
         await eventually(lambda: active(pc), {a.base_url, b.base_url})
@@ -118,8 +111,7 @@ async def test_a_tenant_never_reaches_another_tenants_cache(
     tmp_path: Path, reference: list[int], compat: str
 ) -> None:
     cluster = Cluster(tmp_path, compat, controller=True, frontend=True)
-    assert cluster.controller is not None
-    pc = cluster.controller.base_url
+    pc = cluster.pc
     a = cluster.instance()
     with running(cluster.index, cluster.holder, cluster.controller, a):
         await eventually(lambda: active(pc), {a.base_url})
@@ -152,8 +144,7 @@ async def test_an_instance_killed_mid_stream_the_client_stream_goes_on_exactly_o
         extra = {"temperature": 0.8, "top_p": 0.9, "seed": 7}
     expected = list(engine.generate(KvState(), PROMPT, sampler, 32))
     cluster = Cluster(tmp_path, compat, controller=True, frontend=True)
-    assert cluster.controller is not None
-    pc = cluster.controller.base_url
+    pc = cluster.pc
     a, b = cluster.instance(), cluster.instance()
     session = str(uuid.uuid4())
     killed: list[str] = []
@@ -185,8 +176,7 @@ async def test_a_draining_instance_finishes_its_live_request_then_sleeps(
     tmp_path: Path, reference: list[int], compat: str
 ) -> None:
     cluster = Cluster(tmp_path, compat, controller=True, frontend=True)
-    assert cluster.controller is not None
-    pc = cluster.controller.base_url
+    pc = cluster.pc
     a, b = cluster.instance(), cluster.instance()
     drained: list[str] = []
 
@@ -223,8 +213,7 @@ async def test_a_block_evicted_at_its_holder_during_prefetch_is_recomputed(
     """The IS still lists a holder's copy of block 1 of the prompt, but the holder evicted it:
     the lease and the fetch fail, block 0 is reused, the rest recomputed, output unchanged."""
     cluster = Cluster(tmp_path, compat, controller=True, frontend=True)
-    assert cluster.controller is not None
-    pc = cluster.controller.base_url
+    pc = cluster.pc
     port = free_port()
     holder_url = f"http://127.0.0.1:{port}/kvsp/"
     # a holder that does not tell the IS (the test does), with room for 3 blocks

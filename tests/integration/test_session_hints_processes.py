@@ -11,7 +11,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.instances import PROMPT, Cluster, eventually, generate, residency
+from tests.integration.instances import (
+    PROMPT,
+    Cluster,
+    active,
+    eventually,
+    generate,
+    residency,
+)
 from tests.servers import running
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -125,18 +132,12 @@ async def test_the_controller_pins_for_a_tool_gap_shares_on_a_move_and_demotes_a
     tmp_path: Path, reference: list[int], compat: str
 ) -> None:
     cluster = Cluster(tmp_path, compat, controller=True)
-    assert cluster.controller is not None
-    pc = cluster.controller.base_url
+    pc = cluster.pc
     a, b = cluster.instance("--session-index"), cluster.instance("--session-index")
     session = str(uuid.uuid4())
     with running(cluster.index, cluster.holder, cluster.controller, a, b):
         async with httpx.AsyncClient(timeout=120) as http:
-
-            async def active() -> set[str]:
-                view = (await http.get(pc + "instances")).json()["instances"]
-                return {i["instance"] for i in view if i["state"] == "active"}
-
-            await eventually(active, {a.base_url, b.base_url})
+            await eventually(lambda: active(pc), {a.base_url, b.base_url})
             place = {"tenant": "acme", "compat_id": compat, "tokens": PROMPT, "session": session}
             placed = (await http.post(pc + "place", json=place)).json()
             first, other = (a, b) if placed["instance"] == a.base_url else (b, a)
