@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvsp.core.clock import Clock
-from kvsp.core.container import ContainerHeader
+from kvsp.core.container import Container, ContainerHeader
 from kvsp.core.problems import (
     AlreadyStored,
     CapacityExhausted,
@@ -146,6 +146,10 @@ class BlockRead:
     @property
     def size(self) -> int:
         return self.header.total_octets
+
+    def container(self) -> Container:
+        """The range as a container of its own (its octets copied once)."""
+        return Container.parse(b"".join([self.header.encode(), *self.parts]))
 
 
 @dataclass

@@ -424,7 +424,7 @@ class InstanceService:
                 if block not in store:
                     break
                 read = store.get(block)
-                found.append(Container.parse(b"".join([read.header.encode(), *read.parts])))
+                found.append(read.container())
                 # a block whose first layers are in G1 is a G1 hit: its later layers load
                 # while the first ones compute
                 tier = "g1" if "device" in store.spans(block) else "g2"

@@ -223,7 +223,7 @@ class SessionKv:
             out = []
             for block in held:
                 read = self.holder.store.get(block)
-                out.append((block, Container.parse(b"".join([read.header.encode(), *read.parts]))))
+                out.append((block, read.container()))
             self.in_use.acquire(held)
             return outcome, out
 
