@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvsp.controller.instances import InstanceTable
 from kvsp.controller.placement import (
@@ -133,3 +137,53 @@ def test_6_5_directive_loads_what_the_target_lacks_from_the_lookup_sources() -> 
     assert (directive.deadline_ms, directive.lease_ms) == (2_000, 10_000)
     assert directive.request_ref == "r1"
     assert build_directive(request(1), lookup([[replica(0, I1)]]), I1, POLICY) is None
+
+
+HOLDERS = [H1, H2, I1, I2, I3]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    instances=st.lists(
+        st.tuples(
+            st.integers(0, 6),  # queued
+            st.sampled_from([100.0, 400.0, 1600.0]),  # prefill tokens/s
+            st.sets(st.sampled_from(HOLDERS)),  # links
+            st.sampled_from([0.1, 0.99]),  # kv utilization
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    blocks=st.lists(st.sets(st.sampled_from(HOLDERS), min_size=1), max_size=4),
+    prompt_tokens=st.integers(64, 400),
+    max_cost_us=st.sampled_from([float("inf"), 300_000.0]),
+)
+def test_pruned_scoring_chooses_what_full_scoring_chooses(
+    instances: list[tuple[int, float, set[str], float]],
+    blocks: list[set[str]],
+    prompt_tokens: int,
+    max_cost_us: float,
+) -> None:
+    statuses = [
+        status(
+            url,
+            prefill=rate,
+            queued=queued,
+            kv_utilization=utilization,
+            links=[{"holder": h, "mbit_per_s": 1000, "rtt_us": 50} for h in sorted(links)],
+        )
+        for url, (queued, rate, links, utilization) in zip(
+            (I1, I2, I3), instances, strict=False
+        )
+    ]
+    answer = lookup([[replica(n, h) for h in sorted(holders)] for n, holders in enumerate(blocks)])
+    full = dataclasses.replace(POLICY, max_cost_us=max_cost_us)
+    pruned = dataclasses.replace(full, score_all=False)
+    want = place(request(4, prompt_tokens), answer, statuses, [], full)
+    got = place(request(4, prompt_tokens), answer, statuses, [], pruned)
+    assert (got.outcome, got.instance, got.reused_blocks) == (
+        want.outcome,
+        want.instance,
+        want.reused_blocks,
+    )
+    assert got.chosen == want.chosen

@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from kvsp.core.cost import CostBreakdown, ReplicaSummary, breakdown, estimate_cost
+from kvsp.core.cost import (
+    CostBreakdown,
+    ReplicaSummary,
+    breakdown,
+    estimate_cost,
+    recompute_us,
+    wait_us,
+)
 from kvsp.core.problems import ConfigurationError
 from kvsp.core.records import (
     InstanceStatusRecord,
@@ -63,6 +70,10 @@ class PlacementPolicy:
     prefetch: bool = True
     prefetch_deadline_ms: int = 2_000
     prefetch_lease_ms: int = 10_000
+    #: score every active instance (every term in the decision's record), or only those whose
+    #: lower bound could still beat the best so far: the same choice, far less work with
+    #: hundreds of instances
+    score_all: bool = True
 
     def __post_init__(self) -> None:
         if self.max_kv_utilization <= 0 or self.max_queued < 0 or self.mean_service_us < 0:
@@ -150,15 +161,66 @@ def _has_capacity(status: InstanceStatusRecord, policy: PlacementPolicy) -> bool
     return status.kv_utilization < policy.max_kv_utilization and status.queued < policy.max_queued
 
 
+def _place_pruned(
+    request: PlacementRequest,
+    lookup: LookupResponse,
+    summaries: list[list[ReplicaSummary]],
+    active: Sequence[InstanceStatusRecord],
+    policy: PlacementPolicy,
+) -> Decision | None:
+    """The acceptable instance of lowest cost, scoring candidates in the order of a lower bound
+    of their cost (the wait plus recomputing what the lookup did not match: nothing can cost
+    less) and stopping once the bound passes the best cost; None when no instance with
+    capacity is acceptable, for the full scoring to explain."""
+    matched_tokens = min(lookup.matched * request.block_tokens, request.prompt_tokens)
+    rest = request.prompt_tokens - matched_tokens
+    bounds = sorted(
+        (
+            wait_us(s.queued, policy.mean_service_us) + recompute_us(rest, s.prefill_tokens_per_s),
+            canonical_url(s.instance),
+            s,
+        )
+        for s in active
+        if _has_capacity(s, policy)
+    )
+    scored: list[tuple[CostBreakdown, str]] = []
+    best: tuple[CostBreakdown, str] | None = None
+    for bound, url, status in bounds:
+        if best is not None and bound > best[0].cost_us:
+            break
+        cost = _score(status, request, lookup, summaries, policy)
+        scored.append((cost, url))
+        if cost.cost_us <= policy.max_cost_us and (
+            best is None or (cost.cost_us, url) < (best[0].cost_us, best[1])
+        ):
+            best = (cost, url)
+    if best is None:
+        return None
+    scored.sort(key=lambda pair: (pair[0].cost_us, pair[1]))
+    reused = best[0].reused_tokens // request.block_tokens
+    return Decision(
+        Outcome.PLACED, best[0].instance, tuple(c for c, _ in scored), lookup.matched, reused
+    )
+
+
 def place(
     request: PlacementRequest,
     lookup: LookupResponse,
     active: Sequence[InstanceStatusRecord],
     sleeping: Sequence[InstanceStatusRecord],
     policy: PlacementPolicy,
+    summaries: list[list[ReplicaSummary]] | None = None,
 ) -> Decision:
-    """The decision for one request (ties go to the instance URL that sorts first)."""
-    summaries = _summaries(lookup)
+    """The decision for one request (ties go to the instance URL that sorts first).
+
+    ``summaries`` are the lookup's replicas as cost summaries, for a caller that already has
+    them (an embedded index keeps one per record); otherwise they come from ``lookup``."""
+    if summaries is None:
+        summaries = _summaries(lookup)
+    if not policy.score_all:
+        pruned = _place_pruned(request, lookup, summaries, active, policy)
+        if pruned is not None:
+            return pruned
     scored = sorted(
         ((_score(s, request, lookup, summaries, policy), s) for s in active),
         key=lambda pair: (pair[0].cost_us, canonical_url(pair[1].instance)),

@@ -37,10 +37,18 @@ class BlockMeta:
     layer_digests: tuple[bytes, ...]
     #: data offset of each layer's K section, and the end, relative to layer 0
     offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    #: the Replica Record members a holder republishes on every move, computed once:
+    #: octets of the whole block's container, its digest and the hex layer digests
+    size: int = field(init=False, repr=False, compare=False)
+    digest_text: str = field(init=False, repr=False, compare=False)
+    layer_digests_hex: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ends = itertools.accumulate((k + v for k, v in self.lengths), initial=0)
         object.__setattr__(self, "offsets", tuple(ends))
+        object.__setattr__(self, "size", self.header(0, self.layer_count - 1).total_octets)
+        object.__setattr__(self, "digest_text", "sha-256:" + self.digest.hex())
+        object.__setattr__(self, "layer_digests_hex", tuple(d.hex() for d in self.layer_digests))
 
     @classmethod
     def of(cls, container: Container) -> BlockMeta:
@@ -61,11 +69,6 @@ class BlockMeta:
     def digest(self) -> bytes:
         return replica_digest(self.layer_digests)
 
-    @property
-    def size(self) -> int:
-        """Octets of the container of the whole block (the Replica Record's ``size``)."""
-        return self.header(0, self.layer_count - 1).total_octets
-
     def header(self, first: int, last: int) -> ContainerHeader:
         return ContainerHeader(self.codec, first, self.token_count, self.lengths[first : last + 1])
 
@@ -77,7 +80,7 @@ class BlockMeta:
             "codec": self.codec,
             "token_count": self.token_count,
             "lengths": [list(pair) for pair in self.lengths],
-            "layer_digests": [d.hex() for d in self.layer_digests],
+            "layer_digests": list(self.layer_digests_hex),
         }
 
     @classmethod

@@ -10,13 +10,13 @@ scope key like any real request) are equal exactly where the trace says the pref
 The last block of a prompt is cut to ``input_length``.
 
 Block Keys are chained, so the keys of a prompt extend the keys of its longest known prefix of
-hash ids: ``TraceKeys`` keeps one chain state per distinct prefix and never hashes a block twice.
+hash ids: ``TraceKeys`` never hashes a block twice.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +24,18 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsp.core.ids import CompatId, parse_block_key
-from kvsp.core.keys import BlockKeyChain
+from kvsp.core.keys import ROOT_PARENT, BlockKeyChain
 from kvsp.core.problems import ConfigurationError
 
-__all__ = ["TRACE_BLOCK_TOKENS", "TraceKeys", "TraceRequest", "block_reuse", "load", "tokens_of"]
+__all__ = [
+    "TRACE_BLOCK_TOKENS",
+    "TraceKeys",
+    "TraceRequest",
+    "block_reuse",
+    "block_tokens",
+    "load",
+    "tokens_of",
+]
 
 #: tokens per trace hash id
 TRACE_BLOCK_TOKENS = 512
@@ -89,19 +97,37 @@ def block_reuse(requests: Iterable[TraceRequest]) -> float:
     return reused / total if total else 0.0
 
 
-def _block_tokens(hash_id: int) -> npt.NDArray[np.uint32]:
-    rng = np.random.default_rng(hash_id)
-    return rng.integers(_FIRST_ID, _END_ID, TRACE_BLOCK_TOKENS, dtype=np.uint32)
+_MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX_2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_POSITIONS = np.arange(TRACE_BLOCK_TOKENS, dtype=np.uint64)
+
+
+def block_tokens(hash_ids: Sequence[int]) -> npt.NDArray[np.uint32]:
+    """512 pseudo-random token ids per hash id, back to back: a SplitMix64 finaliser over
+    (hash id, position), vectorised, because a replay synthesises millions of blocks."""
+    ids = np.asarray(hash_ids, dtype=np.uint64)
+    x = ((ids[:, None] << np.uint64(9)) | _POSITIONS).ravel() * _GOLDEN
+    x ^= x >> np.uint64(30)
+    x *= _MIX_1
+    x ^= x >> np.uint64(27)
+    x *= _MIX_2
+    x ^= x >> np.uint64(31)
+    return (x % np.uint64(_END_ID - _FIRST_ID) + np.uint64(_FIRST_ID)).astype(np.uint32)
 
 
 def tokens_of(request: TraceRequest) -> list[int]:
     """The prompt's synthetic token ids (``input_length`` of them)."""
-    parts = [_block_tokens(h) for h in request.hash_ids]
-    return [int(t) for t in np.concatenate(parts)[: request.input_length]]
+    return block_tokens(request.hash_ids)[: request.input_length].tolist()
 
 
 class TraceKeys:
-    """Block Keys of trace prompts under one scope key and Compatibility ID."""
+    """Block Keys of trace prompts under one scope key and Compatibility ID.
+
+    Hash ids are chained (an id determines its whole prefix, as in the Mooncake traces and the
+    generators of ``sim.workload``), so the keys up to a whole trace block are remembered by
+    that block's id: one list per prompt, shared by the ids of its blocks, never a copy per
+    prefix."""
 
     def __init__(self, scope_key: bytes, compat_id: CompatId, block_tokens: int = 16) -> None:
         if TRACE_BLOCK_TOKENS % block_tokens:
@@ -109,27 +135,29 @@ class TraceKeys:
         self.scope_key = scope_key
         self.compat_id = compat_id
         self.block_tokens = block_tokens
-        #: keys of every whole trace block, by hash-id prefix (chain states are their last key)
-        self._prefix_keys: dict[tuple[int, ...], list[str]] = {(): []}
+        #: hash id of a whole trace block -> (the key list it ends in, its end in that list)
+        self._ends: dict[int, tuple[list[str], int]] = {}
 
     def keys(self, request: TraceRequest) -> list[str]:
         """The hex Block Keys of the prompt's whole blocks."""
         ids = request.hash_ids
         known = len(ids)
-        while ids[:known] not in self._prefix_keys:
+        while known and ids[known - 1] not in self._ends:
             known -= 1
-        keys = list(self._prefix_keys[ids[:known]])
-        for i in range(known, len(ids)):
-            last = i == len(ids) - 1
-            size = request.input_length - i * TRACE_BLOCK_TOKENS if last else TRACE_BLOCK_TOKENS
-            chain = self._chain(keys)
-            keys += [k.hex() for k in chain.extend(_block_tokens(ids[i])[:size].tolist())]
-            if size == TRACE_BLOCK_TOKENS:  # only whole trace blocks are shared prefixes
-                self._prefix_keys[ids[: i + 1]] = list(keys)
+        keys: list[str] = []
+        if known:
+            shared, end = self._ends[ids[known - 1]]
+            keys = shared[:end]
+        if known == len(ids):
+            return keys
+        tokens = block_tokens(ids[known:])[: request.input_length - known * TRACE_BLOCK_TOKENS]
+        keys += [k.hex() for k in self._chain(keys).extend(tokens)]
+        per_block = TRACE_BLOCK_TOKENS // self.block_tokens
+        whole = request.input_length // TRACE_BLOCK_TOKENS  # a cut last block is never shared
+        for i in range(known, whole):
+            self._ends[ids[i]] = (keys, (i + 1) * per_block)
         return keys
 
     def _chain(self, keys: list[str]) -> BlockKeyChain:
-        if not keys:
-            return BlockKeyChain(self.scope_key, self.compat_id, self.block_tokens)
-        parent = parse_block_key(keys[-1])
+        parent = parse_block_key(keys[-1]) if keys else ROOT_PARENT
         return BlockKeyChain(self.scope_key, self.compat_id, self.block_tokens, parent)
