@@ -521,6 +521,46 @@ def demo_command(
         raise SystemExit(1)
 
 
+@app.command("sim")
+def sim_command(
+    scenario: Annotated[
+        str, typer.Option(help="a scenario file (TOML) or a shipped scenario's name")
+    ] = "h100-8b-16",
+    trace: Annotated[
+        Path | None, typer.Option(help="a Mooncake trace (JSON lines) to replay")
+    ] = None,
+    workload: Annotated[
+        str, typer.Option(help="trace, agentic or shared-prefix (generated)")
+    ] = "trace",
+    policy: Annotated[str, typer.Option(help="'all' or policies separated by commas")] = "all",
+    out: Annotated[Path, typer.Option(help="where the report and plots go")] = Path("sim-out"),
+    copies: Annotated[
+        int, typer.Option(help="the workload this many times over, one tenant each")
+    ] = 1,
+    rate_scale: Annotated[float, typer.Option(help="arrivals this many times faster")] = 1.0,
+    requests: Annotated[int | None, typer.Option(help="only the first N requests")] = None,
+    sweep: Annotated[
+        bool, typer.Option(help="also sweep cache size and request rate (more runs)")
+    ] = False,
+    jobs: Annotated[int | None, typer.Option(help="runs at a time (default: CPUs)")] = None,
+) -> None:
+    """Simulate a cluster in virtual time over kvsp's real placement, index and pool code, and
+    compare placement policies on one workload."""
+    from kvsp.sim.command import simulate
+    from kvsp.sim.policies import POLICIES
+    from kvsp.sim.runner import WorkloadSpec
+    from kvsp.sim.scenario import load_scenario
+
+    chosen = list(POLICIES) if policy == "all" else [p.strip() for p in policy.split(",")]
+    unknown = sorted(set(chosen) - set(POLICIES))
+    if unknown:
+        raise typer.BadParameter(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    if workload == "trace" and trace is None:
+        raise typer.BadParameter("--trace is needed for --workload trace")
+    spec = WorkloadSpec(workload, str(trace) if trace else None, copies, rate_scale, requests)
+    simulate(load_scenario(scenario), spec, chosen, out, sweep, jobs)
+
+
 def _announce(cluster: LocalCluster) -> None:
     info = cluster.describe()
     base = info["openai_base_url"]

@@ -172,9 +172,7 @@ def test_pruned_scoring_chooses_what_full_scoring_chooses(
             kv_utilization=utilization,
             links=[{"holder": h, "mbit_per_s": 1000, "rtt_us": 50} for h in sorted(links)],
         )
-        for url, (queued, rate, links, utilization) in zip(
-            (I1, I2, I3), instances, strict=False
-        )
+        for url, (queued, rate, links, utilization) in zip((I1, I2, I3), instances, strict=False)
     ]
     answer = lookup([[replica(n, h) for h in sorted(holders)] for n, holders in enumerate(blocks)])
     full = dataclasses.replace(POLICY, max_cost_us=max_cost_us)

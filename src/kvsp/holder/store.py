@@ -112,12 +112,7 @@ class Protected:
         return any(view.leased(block) for view in self._views)
 
     def leased_blocks(self) -> Iterable[BlockId]:
-        seen: set[BlockId] = set()
-        for view in self._views:
-            for block in view.leased_blocks():
-                if block not in seen:
-                    seen.add(block)
-                    yield block
+        return set().union(*(view.leased_blocks() for view in self._views))
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +218,10 @@ class BlockStore:
             raise NotFound(f"{block_ref(block)} is not held here")
         return found.meta
 
+    def held(self) -> list[BlockId]:
+        """Every block held, oldest stored first."""
+        return list(self._blocks)
+
     def spans(self, block: BlockId) -> dict[Tier, Span]:
         return dict(self._blocks[block].spans)
 
@@ -288,7 +287,8 @@ class BlockStore:
         if placement is None:
             octets = meta.range_octets(*whole)
             for spec in self._tiers:
-                if octets <= self._room(spec.name) and self._data[spec.name].accepts(meta, whole):
+                room = self._room(spec.name, octets)
+                if octets <= room and self._data[spec.name].accepts(meta, whole):
                     return [(spec.name, whole)]
             raise CapacityExhausted(
                 f"no tier can take a block of {octets} octets (leased blocks hold the rest)"
@@ -304,15 +304,19 @@ class BlockStore:
             if i and order.index(tier) <= order.index(plan[i - 1][0]):
                 raise ValueError("a placement lists contiguous layer ranges in tier order")
             expected_first = last + 1
-            if meta.range_octets(first, last) > self._room(tier):
+            if meta.range_octets(first, last) > self._room(tier, meta.range_octets(first, last)):
                 raise CapacityExhausted(f"tier {tier} cannot take layers {first}-{last}")
         if expected_first != meta.layer_count:
             raise ValueError("a placement must cover every layer of the block")
         return plan
 
-    def _room(self, tier: Tier) -> int:
-        """Octets a tier could offer by moving or dropping every block that is not leased."""
-        return self._spec[tier].capacity - self._protected_octets(tier)
+    def _room(self, tier: Tier, wanted: int = 0) -> int:
+        """Octets a tier could offer by moving or dropping every block that is not leased
+        (at least ``wanted`` when its free octets alone suffice: then nothing is counted)."""
+        capacity = self._spec[tier].capacity
+        if wanted and capacity - self._used[tier] >= wanted:
+            return capacity - self._used[tier]
+        return capacity - self._protected_octets(tier)
 
     def _protected_octets(self, tier: Tier, other_than: BlockId | None = None) -> int:
         """Octets of ``tier`` held by leased (protected) blocks, ``other_than`` aside."""
@@ -457,8 +461,8 @@ class BlockStore:
         return names[i] if i < len(names) else None
 
     def _fits_below(self, entry: _Block, tier: Tier, lower: Tier) -> bool:
-        octets = entry.meta.range_octets(*entry.spans[tier])
-        return octets + self._lower_octets(entry, lower) <= self._room(lower)
+        octets = entry.meta.range_octets(*entry.spans[tier]) + self._lower_octets(entry, lower)
+        return octets <= self._room(lower, octets)
 
     def _demote(
         self, block: BlockId, entry: _Block, tier: Tier, lower: Tier, protect: set[BlockId]

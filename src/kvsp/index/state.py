@@ -93,11 +93,9 @@ def identity_prefix(space: Space, block_key: str) -> bytes:
 def record_tail(record: ReplicaRecord, ttl_ms: int) -> bytes:
     """The record's served JSON (with the granted, capped ``ttl_ms``) after its identity
     members, which the block supplies: stores keep only this tail."""
-    full = (
-        record.model_copy(update={"ttl_ms": ttl_ms})
-        .model_dump_json(by_alias=True, exclude_none=True)
-        .encode()
-    )
+    if record.ttl_ms != ttl_ms:
+        record = record.model_copy(update={"ttl_ms": ttl_ms})
+    full = record.model_dump_json(by_alias=True, exclude_none=True).encode()
     prefix = identity_prefix((record.compat_id, record.scope_id), record.block_key)
     if not full.startswith(prefix):  # pragma: no cover - guards the member order of the model
         raise AssertionError("ReplicaRecord no longer serialises its identity members first")

@@ -118,7 +118,8 @@ def block_tokens(hash_ids: Sequence[int]) -> npt.NDArray[np.uint32]:
 
 def tokens_of(request: TraceRequest) -> list[int]:
     """The prompt's synthetic token ids (``input_length`` of them)."""
-    return block_tokens(request.hash_ids)[: request.input_length].tolist()
+    ids: list[int] = block_tokens(request.hash_ids)[: request.input_length].tolist()
+    return ids
 
 
 class TraceKeys:
