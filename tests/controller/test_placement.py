@@ -142,7 +142,7 @@ def test_6_5_directive_loads_what_the_target_lacks_from_the_lookup_sources() -> 
 HOLDERS = [H1, H2, I1, I2, I3]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(
     instances=st.lists(
         st.tuples(

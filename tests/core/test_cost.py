@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from kvsp.core.cost import (
+    FetchPlanner,
     ReplicaSummary,
     estimate_cost,
     placement_cost,
@@ -140,3 +141,24 @@ def test_cost_uses_cache_when_fetch_is_fast() -> None:
     assert cost.uses_cache
     assert cost.cost_us == pytest.approx(cost.fetch_us + cost.recompute_unmatched_us)
     assert cost.instance == TARGET
+
+
+def test_a_planner_shares_plans_between_targets_with_the_same_links_only() -> None:
+    fast = {"mbit_per_s": 1000, "rtt_us": 100}
+    matched = [[record(H1, 0), record(H2, 0)], [record(H1, 1)], [record(TARGET, 2)]]
+
+    def at(url: str, h1: dict[str, Any], h2: dict[str, Any]) -> InstanceStatusRecord:
+        status = target([{"holder": H1, **h1}, {"holder": H2, **h2}])
+        return status.model_copy(update={"instance": url})
+
+    a = at("https://a.example/kvsp/", fast, fast)
+    b = at("https://b.example/kvsp/", fast, fast)
+    slow = at("https://c.example/kvsp/", {"mbit_per_s": 10, "rtt_us": 100}, fast)
+    holder = at(TARGET, fast, fast)
+    planner = FetchPlanner(matched)
+    plans = [planner.plan(s) for s in (a, b, slow, holder)]
+    assert plans[0] is plans[1]
+    for status, plan in zip((a, b, slow, holder), plans, strict=True):
+        assert plan == plan_fetch(status, matched)
+    assert plans[2].fetch_us > plans[0].fetch_us
+    assert plans[3].resident_blocks == 1

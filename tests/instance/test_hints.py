@@ -70,6 +70,21 @@ def test_demote_from_g1_g2_only_absent_and_without_room() -> None:
     assert tiers(env.store, b2) == ["device"]  # nothing changed
 
 
+def test_demoting_one_target_may_drop_another_which_is_then_missing() -> None:
+    env = Env(g1=1, g2=1)
+    y = put(env.store, 1)
+    x = put(env.store, 2)  # y went to G2
+    out = env.act("demote", [x, y])  # x's copy in G2 takes y's place: y is dropped
+    assert (out.outcome, out.blocks, out.missing) == ("clipped", 1, [y[2]])
+    assert tiers(env.store, x) == ["host"]
+    assert y not in env.store
+    x2 = put(env.store, 3)
+    out = env.act("pin", [x2, x], ttl_ms=1_000, tier="g2")
+    assert out.outcome == "accepted"
+    assert x not in env.store  # dropped for x2's copy: pinned are only those still held
+    assert out.blocks == 1
+
+
 def test_prefetch_promotes_g2_to_g1_and_is_a_no_op_when_resident() -> None:
     env = Env(g1=1, g2=2)
     b1, b2 = put(env.store, 1), put(env.store, 2)  # b1 went to G2 to make room for b2

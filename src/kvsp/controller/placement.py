@@ -13,6 +13,7 @@ metrics can say why.
 
 from __future__ import annotations
 
+import heapq
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,10 +22,12 @@ from typing import Any
 
 from kvsp.core.cost import (
     CostBreakdown,
+    FetchPlanner,
     ReplicaSummary,
     breakdown,
     estimate_cost,
     recompute_us,
+    transfer_us,
     wait_us,
 )
 from kvsp.core.problems import ConfigurationError
@@ -137,7 +140,7 @@ def _score(
     status: InstanceStatusRecord,
     request: PlacementRequest,
     lookup: LookupResponse,
-    summaries: list[list[ReplicaSummary]],
+    planner: FetchPlanner,
     policy: PlacementPolicy,
 ) -> CostBreakdown:
     """One candidate's terms: the IS's estimate for it when there is one, else our own."""
@@ -145,7 +148,7 @@ def _score(
     estimate = next((e for e in lookup.estimates if canonical_url(e.target) == url), None)
     if estimate is None or estimate.fetch_blocks is None:
         return estimate_cost(
-            status, summaries, request.block_tokens, request.prompt_tokens, policy.mean_service_us
+            status, planner, request.block_tokens, request.prompt_tokens, policy.mean_service_us
         )
     return breakdown(
         status,
@@ -161,34 +164,67 @@ def _has_capacity(status: InstanceStatusRecord, policy: PlacementPolicy) -> bool
     return status.kv_utilization < policy.max_kv_utilization and status.queued < policy.max_queued
 
 
+def _lower_bound(
+    status: InstanceStatusRecord,
+    url: str,
+    request: PlacementRequest,
+    planner: FetchPlanner,
+    policy: PlacementPolicy,
+    refine: bool,
+) -> float:
+    """No more than the candidate's cost: its wait plus recomputing what the lookup did not
+    match (never more than recomputing everything). ``refine`` adds, when the candidate lacks
+    a matched block, the cheaper of moving the first such block (its fastest single transfer)
+    and recomputing it: it is either fetched or, with all that follows it, recomputed."""
+    rate = status.prefill_tokens_per_s
+    bt = request.block_tokens
+    matched_tokens = min(len(planner.matched) * bt, request.prompt_tokens)
+    floor = recompute_us(request.prompt_tokens - matched_tokens, rate)
+    first = None
+    if refine:
+        first = next((j for j, held in enumerate(planner.holders_of) if url not in held), None)
+    if first is not None:
+        moving = recompute_us(min(bt, max(matched_tokens - first * bt, 0)), rate)
+        for replica in planner.matched[first]:
+            link = status.link_to(replica.holder) if replica.complete else None
+            if link is not None:
+                moving = min(moving, link.rtt_us + transfer_us(replica, link))
+        floor += moving
+    everything = recompute_us(request.prompt_tokens, rate)
+    return wait_us(status.queued, policy.mean_service_us) + min(floor, everything)
+
+
 def _place_pruned(
     request: PlacementRequest,
     lookup: LookupResponse,
-    summaries: list[list[ReplicaSummary]],
+    planner: FetchPlanner,
     active: Sequence[InstanceStatusRecord],
     policy: PlacementPolicy,
 ) -> Decision | None:
-    """The acceptable instance of lowest cost, scoring candidates in the order of a lower bound
-    of their cost (the wait plus recomputing what the lookup did not match: nothing can cost
-    less) and stopping once the bound passes the best cost; None when no instance with
-    capacity is acceptable, for the full scoring to explain."""
-    matched_tokens = min(lookup.matched * request.block_tokens, request.prompt_tokens)
-    rest = request.prompt_tokens - matched_tokens
-    bounds = sorted(
-        (
-            wait_us(s.queued, policy.mean_service_us) + recompute_us(rest, s.prefill_tokens_per_s),
-            canonical_url(s.instance),
-            s,
-        )
-        for s in active
-        if _has_capacity(s, policy)
-    )
+    """The acceptable instance of lowest cost, taking candidates in the order of a lower bound
+    of their cost (refined the first time a candidate comes up) and stopping once no bound can
+    beat or tie the best (ties go to the URL that sorts first, as in full scoring); None when
+    no instance with capacity is acceptable, for the full scoring to explain."""
+    candidates = [s for s in active if _has_capacity(s, policy)]
+    urls = [canonical_url(s.instance) for s in candidates]
+    heap = [
+        (_lower_bound(s, url, request, planner, policy, False), url, False, n)
+        for n, (s, url) in enumerate(zip(candidates, urls, strict=True))
+    ]
+    heapq.heapify(heap)
     scored: list[tuple[CostBreakdown, str]] = []
     best: tuple[CostBreakdown, str] | None = None
-    for bound, url, status in bounds:
-        if best is not None and bound > best[0].cost_us:
+    while heap:
+        bound, url, refined, n = heapq.heappop(heap)
+        if best is not None and (bound, url) > (best[0].cost_us, best[1]):
             break
-        cost = _score(status, request, lookup, summaries, policy)
+        status = candidates[n]
+        if not refined:
+            tighter = _lower_bound(status, url, request, planner, policy, True)
+            if tighter > bound:
+                heapq.heappush(heap, (tighter, url, True, n))
+                continue
+        cost = _score(status, request, lookup, planner, policy)
         scored.append((cost, url))
         if cost.cost_us <= policy.max_cost_us and (
             best is None or (cost.cost_us, url) < (best[0].cost_us, best[1])
@@ -215,14 +251,13 @@ def place(
 
     ``summaries`` are the lookup's replicas as cost summaries, for a caller that already has
     them (an embedded index keeps one per record); otherwise they come from ``lookup``."""
-    if summaries is None:
-        summaries = _summaries(lookup)
+    planner = FetchPlanner(_summaries(lookup) if summaries is None else summaries)
     if not policy.score_all:
-        pruned = _place_pruned(request, lookup, summaries, active, policy)
+        pruned = _place_pruned(request, lookup, planner, active, policy)
         if pruned is not None:
             return pruned
     scored = sorted(
-        ((_score(s, request, lookup, summaries, policy), s) for s in active),
+        ((_score(s, request, lookup, planner, policy), s) for s in active),
         key=lambda pair: (pair[0].cost_us, canonical_url(pair[1].instance)),
     )
     candidates = tuple(c for c, _ in scored)
@@ -238,7 +273,7 @@ def place(
         return Decision(Outcome.PLACED, best.instance, candidates, lookup.matched, reused(best))
     reason = "no active instance" if not scored else "every active instance is over its limits"
     asleep = sorted(
-        ((_score(s, request, lookup, summaries, policy), s) for s in sleeping),
+        ((_score(s, request, lookup, planner, policy), s) for s in sleeping),
         key=lambda pair: (pair[0].cost_us, canonical_url(pair[1].instance)),
     )
     if asleep:

@@ -27,6 +27,7 @@ from kvsp.core.urls import canonical_url
 __all__ = [
     "CostBreakdown",
     "FetchPlan",
+    "FetchPlanner",
     "ReplicaSummary",
     "TierSpan",
     "breakdown",
@@ -166,6 +167,33 @@ def plan_fetch(
     return FetchPlan(max(finish.values(), default=0.0), usable, resident, sources, octets)
 
 
+class FetchPlanner:
+    """``plan_fetch`` for many targets of one lookup answer.
+
+    A target that holds none of the matched blocks gets the plan of any earlier such target
+    with the same links (rate and round trip) to the holders involved: the plan depends on
+    nothing else, so a homogeneous cluster of hundreds of instances costs one plan per lookup
+    plus one per instance holding part of the prefix, not one per instance."""
+
+    def __init__(self, matched: Sequence[Sequence[ReplicaSummary]]) -> None:
+        self.matched = matched
+        #: per matched block, every holder of a replica (a target among them has it resident)
+        self.holders_of = [frozenset(r.holder for r in block) for block in matched]
+        self._holder_set = frozenset().union(*self.holders_of)
+        self.holders = tuple(sorted(self._holder_set))
+        self._plans: dict[tuple[tuple[float, float] | None, ...], FetchPlan] = {}
+
+    def plan(self, target: InstanceStatusRecord) -> FetchPlan:
+        if canonical_url(target.instance) in self._holder_set:
+            return plan_fetch(target, self.matched)
+        links = (target.link_to(h) for h in self.holders)
+        key = tuple(None if link is None else (link.mbit_per_s, link.rtt_us) for link in links)
+        found = self._plans.get(key)
+        if found is None:
+            found = self._plans[key] = plan_fetch(target, self.matched)
+        return found
+
+
 @dataclass(frozen=True, slots=True)
 class CostBreakdown:
     """Every term of ``cost(i)`` for one candidate, for decisions that explain themselves."""
@@ -210,13 +238,17 @@ def breakdown(
 
 def estimate_cost(
     target: InstanceStatusRecord,
-    matched: Sequence[Sequence[ReplicaSummary]],
+    matched: Sequence[Sequence[ReplicaSummary]] | FetchPlanner,
     block_tokens: int,
     prompt_tokens: int,
     mean_service_us: float,
 ) -> CostBreakdown:
-    """``cost(i)`` of serving a ``prompt_tokens`` prompt at ``target`` given a lookup answer."""
-    plan = plan_fetch(target, matched)
+    """``cost(i)`` of serving a ``prompt_tokens`` prompt at ``target`` given a lookup answer
+    (or a planner over one, shared by the candidates of one decision)."""
+    if isinstance(matched, FetchPlanner):
+        plan = matched.plan(target)
+    else:
+        plan = plan_fetch(target, matched)
     return breakdown(
         target, plan.fetch_us, plan.usable_blocks, block_tokens, prompt_tokens, mean_service_us
     )

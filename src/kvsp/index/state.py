@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from kvsp.auth import Principal, Role, authorize
 from kvsp.core.clock import Clock
-from kvsp.core.cost import ReplicaSummary, plan_fetch, recompute_us
+from kvsp.core.cost import FetchPlanner, ReplicaSummary, recompute_us
 from kvsp.core.problems import CapacityExhausted, RecordError, StaleEpoch
 from kvsp.core.records import (
     InstanceStatusRecord,
@@ -404,13 +404,15 @@ def estimate_targets(
     """
     if block_tokens is None:
         return []
-    summaries = [[replica.get_summary() for replica in block.replicas] for block in matched]
+    planner = FetchPlanner(
+        [[replica.get_summary() for replica in block.replicas] for block in matched]
+    )
     out = []
     for target in targets:
         status = statuses.get(canonical_url(target))
         if status is None:
             continue
-        plan = plan_fetch(status, summaries)
+        plan = planner.plan(status)
         out.append(
             TargetEstimate(
                 target=target,

@@ -318,6 +318,11 @@ class LocalHints:
             return self._pin(outcome, blocks, payload, owner)
         move = self.store.demote if action == "demote" else self._promote
         for block in blocks:
+            if block not in self.store:  # room made for an earlier one dropped it
+                outcome.missing.append(block[2])
+                outcome.outcome = "clipped"
+                outcome.reason = "a target block was dropped to make room for another"
+                continue
             try:
                 move(block)
             except CapacityExhausted as exc:
@@ -358,11 +363,14 @@ class LocalHints:
             outcome.outcome, outcome.reason = "clipped", f"TTL clipped to {granted} ms"
         if payload.tier == "g2":
             for block in blocks:
+                if block not in self.store:  # room made for an earlier one dropped it
+                    continue
                 try:
                     self.store.demote(block)
                 except CapacityExhausted as exc:
                     outcome.outcome, outcome.reason = "deferred", exc.detail
                     return outcome
+            blocks = [b for b in blocks if b in self.store]
         sized = [(b, self.store.meta(b).size) for b in blocks]
         pinned = self.pins.pin(owner, sized, self.clock.now_ms() + granted)
         outcome.blocks, outcome.ttl_ms = len(pinned), granted

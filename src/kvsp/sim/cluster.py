@@ -3,7 +3,8 @@
 What is real (the same code the services run): each instance's KV pool is a ``BlockStore`` with
 a ``device`` (G1) and a ``host`` (G2) tier, LRU with retention priorities, demotion before
 drops, reference counts of blocks in use (``BlockRefs``) and session pins (``PinTable``); every
-effect of every store goes into one ``ReplicaTable`` (the Index Service's state) as publishes
+effect of every store (instances' and standalone holders', which receive a copy of every block
+an instance computes) goes into one ``ReplicaTable`` (the Index Service's state) as publishes
 and withdrawals; the KVSP policies place with ``controller.placement.place`` over Instance
 Status Records and the index's replica summaries, and estimate fetches with ``core/cost.py``;
 KvHints are planned by the controller's ``SessionHintTable`` and carried out by the instance's
@@ -13,9 +14,10 @@ What is modelled: the octets (a simulated tier keeps sizes only), and time. Each
 prefills one request at a time, first come first served: a request starts when the instance is
 free and, with prefetch, when its remote blocks have arrived (the fetch overlaps the wait); it
 takes the time to copy its G2 blocks to G1 (``host_read_mbit_per_s``), plus the fetch time when
-it did not prefetch, plus its unmatched tokens at ``prefill_tokens_per_s``. TTFT is the end of
-that prefill. Decoding runs beside prefill (a batch whose step is ``decode_step_ms`` plus
-``decode_ms_per_gbyte`` per GB of KV in the batch, fixed when the request joins it) and only
+it did not prefetch, plus its unmatched tokens at ``prefill_tokens_per_s``, plus the scenario's
+per-request ``overhead_ms``; TTFT is the end of that prefill. Decoding runs beside prefill (a
+batch whose step is ``decode_step_ms`` plus ``decode_ms_per_gbyte`` per GB of KV in the batch,
+fixed when the request joins it) and only
 decides how long the request's blocks stay in use. Store changes happen when they would in an
 instance: reused and fetched blocks at placement, computed blocks at the end of prefill. A
 failed instance loses its blocks (withdrawn) and its requests not yet past prefill are placed
@@ -368,6 +370,7 @@ class Cluster:
         load_us = 8 * g2_octets / spec.host_read_mbit_per_s
         reused_tokens = min(reused * self.scenario.model.block_tokens, request.prompt_tokens)
         compute_us = 1e6 * (request.prompt_tokens - reused_tokens) / spec.prefill_tokens_per_s
+        compute_us += 1e3 * spec.overhead_ms
         now = self.now_us
         if choice.prefetch:
             start = max(inst.free_at, now + fetch_us)
@@ -409,6 +412,14 @@ class Cluster:
         except CapacityExhausted:
             self.counters.uncached_blocks += 1  # everything is in use: used, not cached
 
+    def _offload(self, block: BlockId) -> None:
+        """A computed block's copy at its standalone holder (as ``offload_url`` sends it)."""
+        holder = self.holders[int(block[2][:8], 16) % len(self.holders)]
+        if block not in holder.store:
+            with contextlib.suppress(CapacityExhausted):
+                holder.store.put(block, self.meta, self._data)
+            self._apply(holder.store)
+
     def _prefilled(self, admission: _Admission) -> None:
         if admission.done:
             return  # its instance failed; the request was placed again
@@ -419,6 +430,8 @@ class Cluster:
             for block in blocks[admission.reused :]:
                 if block not in inst.store:
                     self._hold(inst, block)
+                if self.holders:
+                    self._offload(block)
             inst.refs.acquire(b for b in blocks[admission.reused :] if b in inst.store)
             self._apply(inst.store)
         spec = self.scenario.instances

@@ -8,9 +8,10 @@ A scenario file is TOML::
     name = "16 x H100-class, 8B model"
     [model]      layers, kv_heads, head_dim, element_octets, block_tokens
     [instances]  count, prefill_tokens_per_s, decode_step_ms, decode_ms_per_gbyte,
-                 g1_blocks, g2_blocks, host_read_mbit_per_s
+                 g1_blocks, g2_blocks, host_read_mbit_per_s, overhead_ms
     [links]      mbit_per_s, rtt_us            (every pair, unless a [[links.pair]] says else)
-    [holders]    count, blocks, read_mbit_per_s
+    [holders]    count, blocks, read_mbit_per_s (each instance copies every block it
+                 computes to one of them, chosen by the block's key)
     [controller] mean_service_ms, ttft_slo_ms, record_ttl_ms
     [[starts]]   instance, at_ms               (an instance joins late)
     [[failures]] instance, at_ms               (an instance dies)
@@ -24,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tomllib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,9 @@ class InstanceSpec:
     g2_blocks: int = 3_000
     #: G2 -> G1 copy rate (host to device)
     host_read_mbit_per_s: float = 200_000.0
+    #: time a request spends outside prefill before its first token (HTTP, placement,
+    #: scheduling), added to each one
+    overhead_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -154,16 +158,15 @@ class Scenario:
     def with_sizes(self, scale: float) -> Scenario:
         """The same cluster with G1, G2 and holders scaled (for hit rate vs cache size)."""
         inst = self.instances
-        scaled: Scenario = _replace(
+        return replace(
             self,
-            instances=_replace(
+            instances=replace(
                 inst,
                 g1_blocks=max(1, round(inst.g1_blocks * scale)),
                 g2_blocks=round(inst.g2_blocks * scale),
             ),
-            holders=_replace(self.holders, blocks=round(self.holders.blocks * scale)),
+            holders=replace(self.holders, blocks=round(self.holders.blocks * scale)),
         )
-        return scaled
 
     def check(self) -> Scenario:
         m, i = self.model, self.instances
@@ -172,7 +175,16 @@ class Scenario:
         positive += [self.links.mbit_per_s, self.controller.ttft_slo_ms]
         if min(positive) <= 0:
             raise ConfigurationError(f"scenario {self.name}: sizes and rates must be positive")
-        if min(i.g2_blocks, self.holders.count, self.holders.blocks, i.decode_step_ms) < 0:
+        if (
+            min(
+                i.g2_blocks,
+                self.holders.count,
+                self.holders.blocks,
+                i.decode_step_ms,
+                i.overhead_ms,
+            )
+            < 0
+        ):
             raise ConfigurationError(f"scenario {self.name}: counts must not be negative")
         nodes = i.count + self.holders.count
         for pair in self.pairs:
@@ -184,10 +196,6 @@ class Scenario:
         return self
 
 
-def _replace(obj: Any, **changes: Any) -> Any:
-    return type(obj)(**{**{f.name: getattr(obj, f.name) for f in fields(obj)}, **changes})
-
-
 def _build(kind: type[Any], doc: Any, where: str) -> Any:
     if not isinstance(doc, dict):
         raise ConfigurationError(f"{where} must be a table")
@@ -195,6 +203,9 @@ def _build(kind: type[Any], doc: Any, where: str) -> Any:
     unknown = sorted(set(doc) - known)
     if unknown:
         raise ConfigurationError(f"{where}: unknown keys {unknown}")
+    numbers = [k for k, v in doc.items() if isinstance(v, bool) or not isinstance(v, int | float)]
+    if numbers:
+        raise ConfigurationError(f"{where}: {numbers} must be numbers")
     try:
         return kind(**doc)
     except TypeError as exc:
