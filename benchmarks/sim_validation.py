@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -27,8 +26,6 @@ from typing import Any
 
 import httpx
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvsp.core.keys import block_keys
 from kvsp.local import LocalCluster

@@ -170,19 +170,16 @@ def _lower_bound(
     request: PlacementRequest,
     planner: FetchPlanner,
     policy: PlacementPolicy,
-    refine: bool,
 ) -> float:
     """No more than the candidate's cost: its wait plus recomputing what the lookup did not
-    match (never more than recomputing everything). ``refine`` adds, when the candidate lacks
-    a matched block, the cheaper of moving the first such block (its fastest single transfer)
-    and recomputing it: it is either fetched or, with all that follows it, recomputed."""
+    match, plus, when the candidate lacks a matched block, the cheaper of moving the first such
+    block (its fastest single transfer) and recomputing it (it is either fetched or, with all
+    that follows it, recomputed); never more than recomputing everything."""
     rate = status.prefill_tokens_per_s
     bt = request.block_tokens
     matched_tokens = min(len(planner.matched) * bt, request.prompt_tokens)
     floor = recompute_us(request.prompt_tokens - matched_tokens, rate)
-    first = None
-    if refine:
-        first = next((j for j, held in enumerate(planner.holders_of) if url not in held), None)
+    first = next((j for j, held in enumerate(planner.holders_of) if url not in held), None)
     if first is not None:
         moving = recompute_us(min(bt, max(matched_tokens - first * bt, 0)), rate)
         for replica in planner.matched[first]:
@@ -202,14 +199,17 @@ def _place_pruned(
     policy: PlacementPolicy,
 ) -> Decision | None:
     """The acceptable instance of lowest cost, taking candidates in the order of a lower bound
-    of their cost (refined the first time a candidate comes up) and stopping once no bound can
+    of their cost (the wait plus recomputing the unmatched tokens, refined with
+    ``_lower_bound`` the first time a candidate comes up) and stopping once no bound can
     beat or tie the best (ties go to the URL that sorts first, as in full scoring); None when
     no instance with capacity is acceptable, for the full scoring to explain."""
     candidates = [s for s in active if _has_capacity(s, policy)]
-    urls = [canonical_url(s.instance) for s in candidates]
+    # the unrefined bound, inline: with hundreds of candidates this loop is the hot one
+    bt, mean = request.block_tokens, policy.mean_service_us
+    rest = request.prompt_tokens - min(len(planner.matched) * bt, request.prompt_tokens)
     heap = [
-        (_lower_bound(s, url, request, planner, policy, False), url, False, n)
-        for n, (s, url) in enumerate(zip(candidates, urls, strict=True))
+        (s.queued * mean + 1e6 * rest / s.prefill_tokens_per_s, canonical_url(s.instance), False, n)
+        for n, s in enumerate(candidates)
     ]
     heapq.heapify(heap)
     scored: list[tuple[CostBreakdown, str]] = []
@@ -220,7 +220,7 @@ def _place_pruned(
             break
         status = candidates[n]
         if not refined:
-            tighter = _lower_bound(status, url, request, planner, policy, True)
+            tighter = _lower_bound(status, url, request, planner, policy)
             if tighter > bound:
                 heapq.heappush(heap, (tighter, url, True, n))
                 continue
@@ -245,13 +245,17 @@ def place(
     active: Sequence[InstanceStatusRecord],
     sleeping: Sequence[InstanceStatusRecord],
     policy: PlacementPolicy,
-    summaries: list[list[ReplicaSummary]] | None = None,
+    summaries: list[list[ReplicaSummary]] | FetchPlanner | None = None,
 ) -> Decision:
     """The decision for one request (ties go to the instance URL that sorts first).
 
-    ``summaries`` are the lookup's replicas as cost summaries, for a caller that already has
-    them (an embedded index keeps one per record); otherwise they come from ``lookup``."""
-    planner = FetchPlanner(_summaries(lookup) if summaries is None else summaries)
+    ``summaries`` are the lookup's replicas as cost summaries (or a planner over them, whose
+    plans the caller can read afterwards), for a caller that already has them (an embedded
+    index keeps one per record); otherwise they come from ``lookup``."""
+    if isinstance(summaries, FetchPlanner):
+        planner = summaries
+    else:
+        planner = FetchPlanner(_summaries(lookup) if summaries is None else summaries)
     if not policy.score_all:
         pruned = _place_pruned(request, lookup, planner, active, policy)
         if pruned is not None:

@@ -182,10 +182,15 @@ class FetchPlanner:
         self._holder_set = frozenset().union(*self.holders_of)
         self.holders = tuple(sorted(self._holder_set))
         self._plans: dict[tuple[tuple[float, float] | None, ...], FetchPlan] = {}
+        self._holder_plans: dict[str, FetchPlan] = {}
 
     def plan(self, target: InstanceStatusRecord) -> FetchPlan:
-        if canonical_url(target.instance) in self._holder_set:
-            return plan_fetch(target, self.matched)
+        here = canonical_url(target.instance)
+        if here in self._holder_set:
+            found = self._holder_plans.get(here)
+            if found is None:
+                found = self._holder_plans[here] = plan_fetch(target, self.matched)
+            return found
         links = (target.link_to(h) for h in self.holders)
         key = tuple(None if link is None else (link.mbit_per_s, link.rtt_us) for link in links)
         found = self._plans.get(key)

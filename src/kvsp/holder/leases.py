@@ -135,6 +135,9 @@ class LeaseTable:
         self.expire()
         return list(self._pins)
 
+    def leased_count(self) -> int:
+        return len(self._pins)  # leases past their deadline not yet expired included
+
     def octets_by_client(self) -> dict[str, int]:
         self.expire()
         return dict(self._octets)

@@ -100,6 +100,10 @@ class LeaseView(Protocol):
 
     def leased_blocks(self) -> Iterable[BlockId]: ...
 
+    def leased_count(self) -> int:
+        """No fewer than the blocks leased (a cheap upper bound serves)."""
+        ...
+
 
 class Protected:
     """Blocks pressure must not move or drop: those any of the views holds (leased by a
@@ -113,6 +117,9 @@ class Protected:
 
     def leased_blocks(self) -> Iterable[BlockId]:
         return set().union(*(view.leased_blocks() for view in self._views))
+
+    def leased_count(self) -> int:
+        return sum(view.leased_count() for view in self._views)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +205,9 @@ class BlockStore:
         self._priority_ends: list[tuple[int, BlockId]] = []
         self._refresh: list[tuple[int, BlockId]] = []
         self._effects: list[Effect] = []
+        self._residencies: dict[tuple[Tier, Span], Residency] = {}
+        #: octets of the largest block ever held (bounds what a leased block can occupy)
+        self._largest = 0
         self.stats = StoreStats()
 
     # -- queries -------------------------------------------------------------------------------
@@ -248,6 +258,7 @@ class BlockStore:
             raise AlreadyStored(f"{block_ref(block)} is already held here")
         if len(data) != meta.range_octets(0, meta.layer_count - 1):
             raise ValueError("data must hold every layer of the block")
+        self._largest = max(self._largest, meta.range_octets(0, meta.layer_count - 1))
         plan = self._placement(meta, placement)
         self._expire_priorities()
         entry = _Block(meta, {}, next(self._ticks))
@@ -270,6 +281,7 @@ class BlockStore:
         """Take back a range that survived a restart in ``tier`` (already verified); False,
         and the range is deleted, when the tier has no room for it."""
         octets = meta.range_octets(*span)
+        self._largest = max(self._largest, meta.range_octets(0, meta.layer_count - 1))
         if block in self._blocks or self._used[tier] + octets > self._spec[tier].capacity:
             self._data[tier].delete(block)
             return False
@@ -311,11 +323,17 @@ class BlockStore:
         return plan
 
     def _room(self, tier: Tier, wanted: int = 0) -> int:
-        """Octets a tier could offer by moving or dropping every block that is not leased
-        (at least ``wanted`` when its free octets alone suffice: then nothing is counted)."""
+        """Octets a tier could offer by moving or dropping every block that is not leased.
+        With ``wanted``, a lower bound that is at least ``wanted`` when a cheap one shows it
+        (its free octets, or the capacity less as many of the largest blocks as are leased):
+        then nothing is counted."""
         capacity = self._spec[tier].capacity
-        if wanted and capacity - self._used[tier] >= wanted:
-            return capacity - self._used[tier]
+        if wanted:
+            if capacity - self._used[tier] >= wanted:
+                return capacity - self._used[tier]
+            bound = capacity - self._leases.leased_count() * self._largest
+            if bound >= wanted:
+                return bound
         return capacity - self._protected_octets(tier)
 
     def _protected_octets(self, tier: Tier, other_than: BlockId | None = None) -> int:
@@ -598,10 +616,12 @@ class BlockStore:
         compat, scope, key = block
         residency = []
         for tier, span in self._in_tier_order(entry):
-            rate = self._spec[tier].read_mbit_per_s
-            residency.append(
-                Residency.model_construct(tier=tier, layers=span, read_mbit_per_s=rate)
-            )
+            part = self._residencies.get((tier, span))
+            if part is None:  # one per tier and range: records are rebuilt on every move
+                rate = self._spec[tier].read_mbit_per_s
+                part = Residency.model_construct(tier=tier, layers=span, read_mbit_per_s=rate)
+                self._residencies[(tier, span)] = part
+            residency.append(part)
         return ReplicaRecord.model_construct(
             block_key=key,
             compat_id=compat,

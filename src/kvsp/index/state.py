@@ -161,11 +161,14 @@ class BlockReplicas:
 
     def put(self, replica: StoredReplica) -> bool:
         """Add or replace the holder's replica; True if it is new."""
-        others = tuple(r for r in self.replicas if r.holder != replica.holder)
-        created = len(others) == len(self.replicas)
-        self.replicas = (*others, replica)
+        replicas = self.replicas
         self._rendered = None
-        return created
+        for i, r in enumerate(replicas):
+            if r.holder == replica.holder:
+                self.replicas = (*replicas[:i], *replicas[i + 1 :], replica)
+                return False
+        self.replicas = (*replicas, replica)
+        return True
 
     def remove(self, holder: str) -> bool:
         kept = tuple(r for r in self.replicas if r.holder != holder)
@@ -214,6 +217,7 @@ class ReplicaTable:
         self._spaces: dict[Space, dict[str, BlockReplicas]] = {}
         self._deadlines: list[StoredReplica] = []
         self._summaries: dict[ReplicaSummary, ReplicaSummary] = {}
+        self._summary_of: dict[tuple[object, ...], ReplicaSummary] = {}
         self._space_names: dict[Space, Space] = {}
         self._by_scope: dict[str, int] = {}
         self._count = 0
@@ -257,8 +261,11 @@ class ReplicaTable:
         named = (record.compat_id, record.scope_id)
         space = self._space_names.setdefault(named, named)  # one tuple per space, shared
         blocks = self._spaces.setdefault(space, {})
-        summary = ReplicaSummary.of(record)
-        summary = self._summaries.setdefault(summary, summary)  # shared by equal summaries
+        summary_key = (record.holder, record.size, record.layer_count, record.residency)
+        summary = self._summary_of.get(summary_key)
+        if summary is None:  # equal records share one summary, built once
+            built = ReplicaSummary.of(record)
+            summary = self._summary_of[summary_key] = self._summaries.setdefault(built, built)
         block = blocks.get(record.block_key)
         if block is None:
             block = blocks[record.block_key] = BlockReplicas(())

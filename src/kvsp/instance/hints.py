@@ -205,6 +205,9 @@ class PinTable:
     def leased_blocks(self) -> Iterable[BlockId]:
         return [b for b in self._pins if self.until(b) is not None]
 
+    def leased_count(self) -> int:
+        return len(self._pins)  # expired pins not yet let go included: an upper bound
+
     def expire(self) -> list[BlockId]:
         """Let go of every pin past its deadline; the blocks no longer pinned at all."""
         now = self.clock.now_ms()

@@ -102,3 +102,6 @@ class BlockRefs:
 
     def leased_blocks(self) -> Iterable[BlockId]:
         return self._refs.keys()
+
+    def leased_count(self) -> int:
+        return len(self._refs)

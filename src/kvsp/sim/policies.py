@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvsp.controller.placement import PlacementPolicy, PlacementRequest, place
-from kvsp.core.cost import plan_fetch
+from kvsp.core.cost import FetchPlanner
 from kvsp.core.problems import ConfigurationError
 from kvsp.core.records import LookupResponse
 from kvsp.holder.blocks import BlockId
@@ -121,13 +121,14 @@ class KvspCost:
             scope, cluster.compat, tuple(request.keys), request.prompt_tokens, bt
         )
         lookup = LookupResponse.model_construct(matched=len(found), replicas=(), estimates=())
-        decision = place(wanted, lookup, statuses, [], self.placement, summaries)
+        planner = FetchPlanner(summaries)
+        decision = place(wanted, lookup, statuses, [], self.placement, planner)
         inst = cluster.nodes[decision.instance]  # type: ignore[index]
         assert isinstance(inst, SimInstance)
         chosen = decision.chosen
         if chosen is None or not chosen.uses_cache:
             return Choice(inst)
-        plan = plan_fetch(cluster.status(inst), summaries)
+        plan = planner.plan(cluster.status(inst))  # the plan its cost came from
         return Choice(
             inst,
             usable_blocks=plan.usable_blocks,
