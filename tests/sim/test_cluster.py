@@ -118,6 +118,8 @@ def test_every_policy_serves_everything_and_keeps_the_index_true(policy: str) ->
     if not cluster.policy.infinite_cache:
         consistent(cluster)
         assert not cluster.instances[1].store.held()
+        # every request released what it used: nothing stays in use after the last one
+        assert all(i.refs.leased_count() == 0 for i in cluster.instances if i.alive)
 
 
 def test_the_oracle_bounds_reuse_and_kvsp_reuses_more_than_local_caches() -> None:

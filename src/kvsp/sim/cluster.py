@@ -153,17 +153,18 @@ class _Admission:
     request: SimRequest
     blocks: list[BlockId]
     instance: SimInstance
-    reused: int
     failed_over: bool
-    #: when its prefill starts and ends (µs)
-    start_us: float
-    end_us: float
-    queue_us: float
-    fetched_octets: int
-    g2_octets: int
+    #: leading blocks it reuses (resident or fetched)
+    reused: int = 0
+    #: how long it waited for the instance (µs)
+    queue_us: float = 0.0
+    fetched_octets: int = 0
+    g2_octets: int = 0
     #: KV octets it adds to its instance's decode batch
     context: int = 0
     done: bool = False
+    #: the blocks it uses at its instance (released when it ends)
+    acquired: list[BlockId] = field(default_factory=list)
 
 
 _ARRIVE, _START, _FAIL, _PREFILLED, _DECODED = range(5)
@@ -260,7 +261,7 @@ class Cluster:
         if inst.status_record is None:
             spec = self.scenario.instances
             g1 = spec.g1_blocks * self.data_octets
-            in_use = len(inst.refs._refs) * self.data_octets
+            in_use = inst.refs.leased_count() * self.data_octets
             inst.status_record = InstanceStatusRecord.model_construct(
                 instance=inst.url,
                 epoch=1,
@@ -355,19 +356,20 @@ class Cluster:
         choice = self.policy.choose(self, request, blocks)
         inst = choice.instance
         spec = self.scenario.instances
-        g2_octets = fetched = 0
+        admission = _Admission(request, blocks, inst, failed_over)
+        fetch_us = 0.0
         if self.policy.infinite_cache:
             reused = next((n for n, b in enumerate(blocks) if b not in self.seen), len(blocks))
-            fetch_us = 0.0
         else:
             local = self.resident_prefix(inst, blocks)
             reused = local
             if choice.usable_blocks is not None and choice.usable_blocks > local:
                 reused = choice.usable_blocks
-                fetched = choice.fetch_octets
-            fetch_us = choice.fetch_us if reused > local else 0.0
-            g2_octets = self._take(inst, blocks, local, reused)
-        load_us = 8 * g2_octets / spec.host_read_mbit_per_s
+                admission.fetched_octets = choice.fetch_octets
+                fetch_us = choice.fetch_us
+            admission.g2_octets = self._take(inst, admission, local, reused)
+        admission.reused = reused
+        load_us = 8 * admission.g2_octets / spec.host_read_mbit_per_s
         reused_tokens = min(reused * self.scenario.model.block_tokens, request.prompt_tokens)
         compute_us = 1e6 * (request.prompt_tokens - reused_tokens) / spec.prefill_tokens_per_s
         compute_us += 1e3 * spec.overhead_ms
@@ -381,17 +383,19 @@ class Cluster:
         inst.free_at = end
         heapq.heappush(inst.ends, end)
         inst.status_record = None
-        admission = _Admission(
-            request, blocks, inst, reused, failed_over, start, end, start - now, fetched, g2_octets
-        )
+        admission.queue_us = start - now
         self._push(end, _PREFILLED, admission)
         if self.policy.hints:
             self._send(self.hint_table.turn_started(request.session, inst.url, self.clock.now_ms()))
 
-    def _take(self, inst: SimInstance, blocks: list[BlockId], local: int, reused: int) -> int:
-        """Put the reused blocks in use at ``inst``: its own G2 blocks copied up to G1, fetched
-        ones stored (both as the instance does); returns the octets read from G2."""
+    def _take(self, inst: SimInstance, admission: _Admission, local: int, reused: int) -> int:
+        """Put the reused blocks in use at ``inst``: its own blocks first (G2 ones copied up to
+        G1), then the fetched ones, each stored and used as it arrives (as the instance does);
+        returns the octets read from G2."""
         store = inst.store
+        blocks = admission.blocks
+        inst.refs.acquire(blocks[:local])
+        admission.acquired.extend(blocks[:local])
         g2 = 0
         for block in blocks[:local]:
             if "device" not in store.spans(block):
@@ -399,18 +403,21 @@ class Cluster:
                 with contextlib.suppress(CapacityExhausted):  # else read from G2 where it is
                     store.promote(block)
         for block in blocks[local:reused]:
-            self._hold(inst, block)
-        inst.refs.acquire(b for b in blocks[:reused] if b in store)
+            self._hold(inst, block, admission)
         self._apply(store)
         return g2
 
-    def _hold(self, inst: SimInstance, block: BlockId) -> None:
+    def _hold(self, inst: SimInstance, block: BlockId, admission: _Admission) -> None:
+        """Store a block at ``inst`` (unless held already) and use it for ``admission``."""
         try:
             inst.store.put(block, self.meta, self._data)
         except AlreadyStored:
             pass
         except CapacityExhausted:
             self.counters.uncached_blocks += 1  # everything is in use: used, not cached
+            return
+        inst.refs.acquire((block,))
+        admission.acquired.append(block)
 
     def _offload(self, block: BlockId) -> None:
         """A computed block's copy at its standalone holder (as ``offload_url`` sends it)."""
@@ -428,11 +435,9 @@ class Cluster:
             self.seen.update(blocks)
         else:
             for block in blocks[admission.reused :]:
-                if block not in inst.store:
-                    self._hold(inst, block)
+                self._hold(inst, block, admission)
                 if self.holders:
                     self._offload(block)
-            inst.refs.acquire(b for b in blocks[admission.reused :] if b in inst.store)
             self._apply(inst.store)
         spec = self.scenario.instances
         context = (request.prompt_tokens + request.output_tokens // 2) * (
@@ -469,7 +474,7 @@ class Cluster:
         inst.batch_octets -= admission.context
         inst.status_record = None
         if not self.policy.infinite_cache:
-            inst.refs.release(b for b in admission.blocks if inst.refs.leased(b))
+            inst.refs.release(admission.acquired)
         if self.policy.hints:
             now = self.clock.now_ms()
             if request.last:
