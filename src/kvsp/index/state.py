@@ -243,6 +243,8 @@ class ReplicaTable:
     def publish_many(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]:
         """Publish a batch atomically: either every record is stored or none is."""
         now = self.expire()
+        if self._count + len(records) <= self._limits.max_records:
+            return [self._store(record, now) for record in records]  # cannot pass the limit
         new = set()
         for r in records:
             holder = canonical_url(r.holder)
