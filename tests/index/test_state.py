@@ -77,9 +77,11 @@ def test_records_of_every_holder_are_returned(table: ReplicaTable, clock: Manual
     assert sorted(r["holder"] for r in json.loads(found[0].rendered())) == [H1, H2]
 
 
+@pytest.mark.parametrize("render_at_publish", [True, False])
 def test_served_json_is_the_record_with_the_granted_ttl(
-    table: ReplicaTable, clock: ManualClock
+    clock: ManualClock, render_at_publish: bool
 ) -> None:
+    table = ReplicaTable(clock, IndexLimits(max_ttl_ms=10_000, max_records=100), render_at_publish)
     record = replica(0, ttl_ms=50_000)
     table.publish(record)
     clock.advance(1_200)
@@ -88,6 +90,7 @@ def test_served_json_is_the_record_with_the_granted_ttl(
     assert [ReplicaRecord.parse(r) for r in served] == [
         record.model_copy(update={"ttl_ms": 10_000})
     ]
+    assert json.loads(found[0].replicas[0].json()) == served[0]
 
 
 def test_expiry_and_ttl_cap(table: ReplicaTable, clock: ManualClock) -> None:

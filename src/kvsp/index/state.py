@@ -104,10 +104,11 @@ def record_tail(record: ReplicaRecord, ttl_ms: int) -> bytes:
 
 class StoredReplica:
     """One record as stored: where it belongs, its holder (canonical), its deadline on the
-    store's clock, the tail of its served JSON, and its cost summary (parsed on first use when
-    the store has none). Replicas order by deadline, so the expiry heap holds them directly."""
+    store's clock, the tail of its served JSON (or the record, with its granted TTL, to render
+    it from when first served), and its cost summary (parsed on first use when the store has
+    none). Replicas order by deadline, so the expiry heap holds them directly."""
 
-    __slots__ = ("block_key", "expires_at", "holder", "space", "summary", "tail")
+    __slots__ = ("_tail", "block_key", "expires_at", "holder", "space", "summary")
 
     def __init__(
         self,
@@ -115,18 +116,26 @@ class StoredReplica:
         block_key: str,
         holder: str,
         expires_at: int,
-        tail: bytes,
+        tail: bytes | ReplicaRecord,
         summary: ReplicaSummary | None = None,
     ) -> None:
         self.space = space
         self.block_key = block_key
         self.holder = holder
         self.expires_at = expires_at
-        self.tail = tail
+        self._tail = tail
         self.summary = summary
 
     def __lt__(self, other: StoredReplica) -> bool:
         return self.expires_at < other.expires_at
+
+    @property
+    def tail(self) -> bytes:
+        tail = self._tail
+        if isinstance(tail, bytes):
+            return tail
+        rendered = self._tail = record_tail(tail, tail.ttl_ms)
+        return rendered
 
     def json(self) -> bytes:
         return identity_prefix(self.space, self.block_key) + self.tail
@@ -208,11 +217,16 @@ def authorize_status(principal: Principal, status: InstanceStatusRecord) -> None
 
 
 class ReplicaTable:
-    """All replica records of an in-memory index."""
+    """All replica records of an in-memory index.
 
-    def __init__(self, clock: Clock, limits: IndexLimits) -> None:
+    ``render_at_publish``: a record's JSON is rendered when it is published (a served index
+    answers lookups with it, and bytes are smaller than records); an index embedded in a
+    process that only reads cost summaries (the simulator) renders it only if ever asked."""
+
+    def __init__(self, clock: Clock, limits: IndexLimits, render_at_publish: bool = True) -> None:
         self._clock = clock
         self._limits = limits
+        self._render = render_at_publish
         # (compat, scope) -> block_key -> replicas: a lookup resolves its space once.
         self._spaces: dict[Space, dict[str, BlockReplicas]] = {}
         self._deadlines: list[StoredReplica] = []
@@ -274,13 +288,12 @@ class ReplicaTable:
             block_key = record.block_key
         else:
             block_key = block.replicas[0].block_key  # the dict's own key object, shared
+        if self._render:
+            tail: bytes | ReplicaRecord = record_tail(record, ttl)
+        else:
+            tail = record if record.ttl_ms == ttl else record.model_copy(update={"ttl_ms": ttl})
         replica = StoredReplica(
-            space,
-            block_key,
-            sys.intern(canonical_url(record.holder)),
-            now + ttl,
-            record_tail(record, ttl),
-            summary,
+            space, block_key, sys.intern(canonical_url(record.holder)), now + ttl, tail, summary
         )
         created = block.put(replica)
         heapq.heappush(self._deadlines, replica)

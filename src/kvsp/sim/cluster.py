@@ -186,7 +186,9 @@ class Cluster:
         self.compat = model.compat_id.hex()
         ttl = scenario.controller.record_ttl_ms
         self.index = ReplicaTable(
-            self.clock, IndexLimits(max_ttl_ms=ttl, max_records=1 << 40, max_instances=1 << 20)
+            self.clock,
+            IndexLimits(max_ttl_ms=ttl, max_records=1 << 40, max_instances=1 << 20),
+            render_at_publish=False,
         )
         section = model.section_octets
         self.meta = BlockMeta(

@@ -8,12 +8,14 @@ for their next run. Progress comes back through a queue as simulated requests co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import multiprocessing
 import os
 import queue
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +96,22 @@ def _rescale(requests: list[workload.SimRequest], rate: float) -> list[workload.
     return [dataclasses.replace(r, arrival_ms=r.arrival_ms / rate) for r in requests]
 
 
+@contextlib.contextmanager
+def _few_collections() -> Iterator[None]:
+    """A run allocates millions of long-lived objects (records, keys, heaps) and no cycles:
+    the collector looks less often and skips what existed before the run (about 10 % of a
+    large run's time otherwise)."""
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
+
+
 def _one(
     scenario: Scenario,
     spec: WorkloadSpec,
@@ -106,7 +124,8 @@ def _one(
     mean_prompt = float(np.mean([r.prompt_tokens for r in requests]))
     cluster = Cluster(scenario, make_policy(run.policy), mean_prompt)
     started = time.perf_counter()
-    results = cluster.run(requests, report)
+    with _few_collections():
+        results = cluster.run(requests, report)
     wall = time.perf_counter() - started
     span_s = (requests[-1].arrival_ms - requests[0].arrival_ms) / 1e3 if requests else 0.0
     summary = summarise(results, scenario.controller.ttft_slo_ms, wall)
