@@ -1,16 +1,19 @@
 """Simulated against real on this machine. Prints one JSON line.
 
-The same requests go through a real cluster (``kvsp up``: Index Service, controller with its
-front end, holder, two SmolLM2 instances on the CPU) and through the simulator with the
-``cpu-smollm2-2`` scenario, whose rates are replaced by what the real instances measured (their
-Instance Status Records: link rate and round trip; the prefill rate from the first cold prompt)
-and whose per-request overhead is measured with 16-token requests. The workload: cold prompts
-of several lengths, continuations that reuse a prefix on the instance that holds it, and a
-continuation sent while that instance is busy, which the controller places on the other
-instance with the prefix fetched from the holder.
+The same requests go to real SmolLM2 instances (a ``kvsp up`` cluster: Index Service, holder
+with offload, two instances on the CPU, one thread each) and to the simulator (``cpu-smollm2-2``
+scenario, each request on the same instance through ``policies.Replay``). The simulator's
+parameters come from the real run: the per-request overhead, the prefill rate and the attention
+cost per token pair are fitted to the cold prompts (TTFT = overhead + n / rate + pair cost x
+n^2 / 2, least relative squares); the link rate and round trip (also the instance's ingress: it
+receives one verified stream at a time) are what the instances measured (their Instance Status
+Records). Requests go one at a time, so neither side queues. The workload: cold prompts of 16
+to 1,536 tokens, continuations that reuse their prefix from the instance's own pool, and
+continuations sent to the other instance, which fetches the prefix through the Index Service.
 
-Figures: per request, real and simulated TTFT; the largest relative error among cold prefills
-and among reusing requests; ``ratio`` = the largest error over the 20 % limit (<= 1 holds).
+Figures: per request, real and simulated TTFT and cached tokens; the largest relative TTFT
+error among cold prefills, local reuse and remote reuse; ``ratio`` = the largest error over the
+20 % limit (<= 1 holds).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import dataclasses
 import json
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,9 +30,9 @@ import httpx
 import numpy as np
 
 from kvsp.core.keys import block_keys
-from kvsp.local import LocalCluster
+from kvsp.local import TENANT, LocalCluster
 from kvsp.sim.cluster import Cluster
-from kvsp.sim.policies import make_policy
+from kvsp.sim.policies import Replay
 from kvsp.sim.scenario import HolderSpec, LinkSpec, load_scenario
 from kvsp.sim.workload import SimRequest, tenant_scope_key
 
@@ -42,137 +44,119 @@ def prompt(n: int) -> list[int]:
     return [int(t) for t in RNG.integers(100, 40_000, n)]
 
 
-P, Q, R = prompt(1024), prompt(1536), prompt(512)
-TAIL_A, TAIL_B, TAIL_C = prompt(64), prompt(128), prompt(96)
-#: (name, prompt, kind, sent with the next one without waiting for it)
-WORKLOAD: list[tuple[str, list[int], str, bool]] = [
-    ("cold 1024 (calibrates the prefill rate)", P, "calibration", False),
-    ("cold 512", R, "cold", False),
-    ("cold 1536 (busy)", Q, "cold", True),
-    ("prefix 1024 + 64 while its instance is busy", P + TAIL_A, "reuse", False),
-    ("prefix 1536 + 128", Q + TAIL_B, "reuse", False),
-    ("prefix 512 + 96", R + TAIL_C, "reuse", False),
-    ("prefix 1088 + 128", P + TAIL_A + TAIL_B, "reuse", False),
+A, B, C, D = prompt(256), prompt(512), prompt(1024), prompt(1536)
+#: (name, kind, instance, tokens)
+WORKLOAD: list[tuple[str, str, int, list[int]]] = [
+    ("cold 16", "cold", 0, prompt(16)),
+    ("cold 16", "cold", 1, prompt(16)),
+    ("cold 256", "cold", 0, A),
+    ("cold 512", "cold", 0, B),
+    ("cold 1024", "cold", 1, C),
+    ("cold 1536", "cold", 0, D),
+    ("1024 cached + 64, same instance", "local", 1, C + prompt(64)),
+    ("256 cached + 32, same instance", "local", 0, A + prompt(32)),
+    ("1536 fetched + 64, other instance", "remote", 1, D + prompt(64)),
+    ("512 fetched + 128, other instance", "remote", 1, B + prompt(128)),
+    ("256 fetched + 16, other instance", "remote", 1, A + prompt(16)),
 ]
 
 
-def complete(http: httpx.Client, base: str, key: str, tokens: list[int]) -> dict[str, Any]:
-    body = {"prompt": tokens, "max_tokens": 1, "temperature": 0, "stream": True}
+def generate(http: httpx.Client, url: str, token: str, tokens: list[int]) -> dict[str, Any]:
+    body = {"tenant": TENANT, "tokens": tokens, "max_tokens": 1}
     started = time.perf_counter()
     ttft = None
-    final: dict[str, Any] = {}
-    with http.stream(
-        "POST", base + "/completions", json=body, headers={"Authorization": f"Bearer {key}"}
-    ) as response:
+    summary: dict[str, Any] = {}
+    headers = {"Authorization": f"Bearer {token}"}
+    with http.stream("POST", url + "generate", json=body, headers=headers) as response:
         response.raise_for_status()
         for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            doc = json.loads(line[6:])
-            if "usage" in doc:
-                final = doc
+            doc = json.loads(line)
+            if doc.get("done"):
+                summary = doc
             elif ttft is None:
                 ttft = time.perf_counter() - started
-    return {
-        "ttft_ms": 1e3 * (ttft or 0.0),
-        "cached": final["usage"]["prompt_tokens_details"]["cached_tokens"],
-    }
+    return {"ttft_ms": round(1e3 * (ttft or 0.0), 1), "cached": summary["cached_tokens"]}
 
 
-def run_real(cluster: LocalCluster) -> tuple[list[dict[str, Any]], float]:
-    base = cluster.controller.url + "v1"
-    key = cluster.api_key
-    out: list[dict[str, Any]] = []
+def run_real(cluster: LocalCluster) -> tuple[list[dict[str, Any]], tuple[float, int] | None]:
+    urls = [p.url for p in cluster.instance_processes]
+    token = (cluster.folder / "controller.token").read_text().strip()
+    rows: list[dict[str, Any]] = []
     with httpx.Client(timeout=300) as http:
-        warm = [complete(http, base, key, prompt(16)) for _ in range(4)]
-        overhead = statistics.median(w["ttft_ms"] for w in warm[1:])
-        t0 = time.perf_counter()
-        pending: list[threading.Thread] = []
-        for name, tokens, kind, overlap in WORKLOAD:
-            row: dict[str, Any] = {"name": name, "kind": kind, "tokens": len(tokens)}
-            row["arrival_ms"] = 1e3 * (time.perf_counter() - t0)
-
-            def go(row: dict[str, Any] = row, tokens: list[int] = tokens) -> None:
-                row.update(complete(http, base, key, tokens))
-
-            thread = threading.Thread(target=go)
-            thread.start()
-            pending.append(thread)
-            out.append(row)
-            if overlap:
-                time.sleep(0.3)  # its prefill has started: the instance is busy
-                continue
-            for thread in pending:
-                thread.join()
-            pending = []
-    return out, overhead
-
-
-def measured_links(cluster: LocalCluster) -> tuple[float, int]:
-    """The median rate and RTT of the links the instances measured (to the holder and to each
-    other), as their Instance Status Records report them."""
-    links, rtts = [], []
-    for process in cluster.instance_processes:
-        status = httpx.get(process.url + "status", timeout=10).json()
-        for link in status["links"]:
-            links.append(link["mbit_per_s"])
-            rtts.append(link["rtt_us"])
-    return statistics.median(links), int(statistics.median(rtts))
+        for url in urls:  # first requests pay one-time costs: not measured
+            generate(http, url, token, prompt(64))
+        started = time.perf_counter()
+        for name, kind, instance, tokens in WORKLOAD:
+            arrival = 1e3 * (time.perf_counter() - started)
+            row = {"name": name, "kind": kind, "instance": instance, "tokens": len(tokens)}
+            row.update(generate(http, urls[instance], token, tokens))
+            rows.append({**row, "arrival_ms": round(arrival, 1)})
+        links, rtts = [], []
+        for url in urls:
+            for link in http.get(url + "status").json()["links"]:
+                links.append(link["mbit_per_s"])
+                rtts.append(link["rtt_us"])
+    measured = (statistics.median(links), int(statistics.median(rtts))) if links else None
+    return rows, measured
 
 
 def main() -> None:
-    folder = Path(tempfile.mkdtemp(prefix="kvsp-simval-"))
-    cluster = LocalCluster(folder, instances=2)
+    cluster = LocalCluster(Path(tempfile.mkdtemp(prefix="kvsp-simval-")), instances=2)
     cluster.start()
     try:
-        rows, overhead_ms = run_real(cluster)
-        link, rtt = measured_links(cluster)
+        rows, links = run_real(cluster)
     finally:
         cluster.stop()
-    # the first cold prompt calibrates the one prefill rate the model has; the rest validate it
-    rate = rows[0]["tokens"] / ((rows[0]["ttft_ms"] - overhead_ms) / 1e3)
+    cold = [r for r in rows if r["kind"] == "cold"]
+    n = np.array([r["tokens"] for r in cold], dtype=float)
+    terms = np.vstack([np.ones_like(n), n, n * n / 2]).T  # overhead, per token, per pair
+    ttft = np.array([r["ttft_ms"] for r in cold])
+    # relative residuals: a 16-token prompt's error counts as much as a 1,536-token one's
+    (overhead, per_token, per_pair), *_ = np.linalg.lstsq(
+        terms / ttft[:, None], np.ones_like(ttft), rcond=None
+    )
     base = load_scenario("cpu-smollm2-2")
+    link, rtt = links or (base.links.mbit_per_s, base.links.rtt_us)
     scenario = dataclasses.replace(
         base,
         instances=dataclasses.replace(
-            base.instances, prefill_tokens_per_s=rate, overhead_ms=overhead_ms
+            base.instances,
+            prefill_tokens_per_s=1e3 / per_token,
+            attention_ns_per_pair=max(per_pair * 1e6, 0.0),
+            overhead_ms=max(overhead, 0.0),
+            ingress_mbit_per_s=link,
         ),
         links=LinkSpec(mbit_per_s=link, rtt_us=rtt),
         holders=HolderSpec(count=1, blocks=4096, read_mbit_per_s=base.holders.read_mbit_per_s),
     )
     compat = scenario.model.compat_id
     requests = []
-    for n, (row, (_, tokens, _, _)) in enumerate(zip(rows, WORKLOAD, strict=True)):
+    for n, (row, (_, _, instance, tokens)) in enumerate(zip(rows, WORKLOAD, strict=True)):
         keys = [k.hex() for k in block_keys(tenant_scope_key(0), compat, tokens, 16)]
-        requests.append(SimRequest(row["arrival_ms"], 0, f"r{n}", keys, len(tokens), 1))
-    cluster_sim = Cluster(
-        scenario, make_policy("kvsp"), statistics.mean(len(w[1]) for w in WORKLOAD)
-    )
-    simulated = sorted(cluster_sim.run(requests), key=lambda r: r.arrival_us)
-    errors: dict[str, list[float]] = {"calibration": [], "cold": [], "reuse": []}
+        requests.append(
+            SimRequest(row["arrival_ms"], 0, f"r{n}", keys, len(tokens), 1, instance=instance)
+        )
+    simulated = sorted(Cluster(scenario, Replay(), 512).run(requests), key=lambda r: r.arrival_us)
+    errors: dict[str, list[float]] = {"cold": [], "local": [], "remote": []}
     for row, sim in zip(rows, simulated, strict=True):
         row["sim_ttft_ms"] = round(sim.ttft_us / 1e3, 1)
         row["sim_cached"] = sim.reused_tokens
         row["sim_fetched_octets"] = sim.fetched_octets
-        row["ttft_ms"] = round(row["ttft_ms"], 1)
-        row["arrival_ms"] = round(row["arrival_ms"], 1)
-        error = abs(row["sim_ttft_ms"] - row["ttft_ms"]) / row["ttft_ms"]
-        row["error"] = round(error, 3)
-        errors[row["kind"]].append(error)
-    worst = max(errors["cold"] + errors["reuse"])
+        row["error"] = round(abs(row["sim_ttft_ms"] - row["ttft_ms"]) / row["ttft_ms"], 3)
+        errors[row["kind"]].append(row["error"])
+    worst = max(max(e) for e in errors.values())
     print(
         json.dumps(
             {
                 "benchmark": "sim_validation",
-                "measured": {
-                    "prefill_tokens_per_s": round(rate, 1),
-                    "link_mbit_per_s": link,
-                    "rtt_us": rtt,
-                    "overhead_ms": round(overhead_ms, 1),
+                "fitted": {
+                    "prefill_tokens_per_s": round(1e3 / per_token, 1),
+                    "attention_ns_per_pair": round(per_pair * 1e6),
+                    "overhead_ms": round(overhead, 1),
                 },
+                "links": {"mbit_per_s": link, "rtt_us": rtt, "measured": links is not None},
                 "requests": rows,
-                "max_error_cold": round(max(errors["cold"]), 3),
-                "max_error_reuse": round(max(errors["reuse"]), 3),
+                **{f"max_error_{kind}": max(e) for kind, e in errors.items()},
                 "limit": LIMIT,
                 "ratio": round(worst / LIMIT, 3),
             }

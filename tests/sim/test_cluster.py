@@ -52,7 +52,8 @@ def consistent(cluster: Cluster) -> None:
         for block in node.store.held():
             compat, scope, key = block
             found = cluster.index.lookup(compat, scope, [key])
-            assert found and found[0].find(node.url) is not None
+            assert found
+            assert found[0].find(node.url) is not None
             held += 1
     assert cluster.index.count == held
 

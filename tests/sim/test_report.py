@@ -11,6 +11,8 @@ import pytest
 from kvsp.cli import main
 from kvsp.sim.cluster import RequestResult
 from kvsp.sim.report import compare, summarise
+from kvsp.sim.runner import Run, WorkloadSpec, run_all
+from kvsp.sim.scenario import load_scenario
 
 
 def result(ttft_ms: float, prompt: int = 100, reused: int = 0) -> RequestResult:
@@ -101,3 +103,15 @@ def test_kvsp_sim_refuses_unknown_policies_and_a_missing_trace(
         main(["sim"])
     assert done.value.code != 0
     assert "--trace" in capsys.readouterr().err
+
+
+def test_runs_in_this_process_report_every_request_once(tmp_path: Path) -> None:
+    scenario_file = tmp_path / "tiny.toml"
+    scenario_file.write_text(SMALL_TOML)
+    scenario = load_scenario(scenario_file)
+    spec = WorkloadSpec("shared-prefix", limit=120)
+    advanced: list[int] = []
+    done = run_all(scenario, spec, [Run("kvsp"), Run("oracle", rate=2.0)], 1, advanced.append)
+    assert sum(advanced) == 2 * 120
+    assert [r.summary["requests"] for r in done] == [120, 120]
+    assert done[1].offered_per_s == pytest.approx(2 * done[0].offered_per_s)

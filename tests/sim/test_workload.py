@@ -3,6 +3,8 @@ generated sessions grow turn by turn over shared system prompts."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvsp.core.ids import parse_compat_id
@@ -53,11 +55,12 @@ def test_agentic_turns_extend_their_session_over_a_shared_system_prompt() -> Non
     system = requests[0].keys[:4]
     for turns in sessions.values():
         assert all(t.keys[:4] == system for t in turns)
-        for a, b in zip(turns, turns[1:], strict=False):
+        for a, b in itertools.pairwise(turns):
             assert b.keys[: len(a.keys)] == a.keys  # the next prompt extends this one
             assert b.prompt_tokens > a.prompt_tokens + a.output_tokens - 1
             assert b.arrival_ms > a.arrival_ms
-        assert turns[-1].last and not turns[-1].tool_call
+        assert turns[-1].last
+        assert not turns[-1].tool_call
         assert not any(t.last for t in turns[:-1])
     assert agentic(COMPAT, 16, sessions=5, system_tokens=64, seed=3) == requests
 

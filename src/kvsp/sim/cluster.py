@@ -14,8 +14,10 @@ What is modelled: the octets (a simulated tier keeps sizes only), and time. Each
 prefills one request at a time, first come first served: a request starts when the instance is
 free and, with prefetch, when its remote blocks have arrived (the fetch overlaps the wait); it
 takes the time to copy its G2 blocks to G1 (``host_read_mbit_per_s``), plus the fetch time when
-it did not prefetch, plus its unmatched tokens at ``prefill_tokens_per_s``, plus the scenario's
-per-request ``overhead_ms``; TTFT is the end of that prefill. Decoding runs beside prefill (a
+it did not prefetch (never faster than the instance's ``ingress_mbit_per_s``), plus its unmatched
+tokens at ``prefill_tokens_per_s`` and ``attention_ns_per_pair`` for each pair of a new token and
+a token it attends to, plus the scenario's per-request ``overhead_ms``; TTFT is the end of that
+prefill. Decoding runs beside prefill (a
 batch whose step is ``decode_step_ms`` plus ``decode_ms_per_gbyte`` per GB of KV in the batch,
 fixed when the request joins it) and only
 decides how long the request's blocks stay in use. Store changes happen when they would in an
@@ -369,12 +371,15 @@ class Cluster:
                 reused = choice.usable_blocks
                 admission.fetched_octets = choice.fetch_octets
                 fetch_us = choice.fetch_us
+                if spec.ingress_mbit_per_s:  # all sources share what the instance can receive
+                    fetch_us = max(fetch_us, 8 * choice.fetch_octets / spec.ingress_mbit_per_s)
             admission.g2_octets = self._take(inst, admission, local, reused)
         admission.reused = reused
         load_us = 8 * admission.g2_octets / spec.host_read_mbit_per_s
         reused_tokens = min(reused * self.scenario.model.block_tokens, request.prompt_tokens)
-        compute_us = 1e6 * (request.prompt_tokens - reused_tokens) / spec.prefill_tokens_per_s
-        compute_us += 1e3 * spec.overhead_ms
+        new = request.prompt_tokens - reused_tokens
+        compute_us = 1e6 * new / spec.prefill_tokens_per_s + 1e3 * spec.overhead_ms
+        compute_us += 1e-3 * spec.attention_ns_per_pair * new * (reused_tokens + new / 2)
         now = self.now_us
         if choice.prefetch:
             start = max(inst.free_at, now + fetch_us)

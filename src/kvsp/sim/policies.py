@@ -33,6 +33,7 @@ __all__ = [
     "LeastLoaded",
     "Oracle",
     "OverlapScore",
+    "Replay",
     "RoundRobin",
     "make_policy",
 ]
@@ -128,14 +129,37 @@ class KvspCost:
         chosen = decision.chosen
         if chosen is None or not chosen.uses_cache:
             return Choice(inst)
-        plan = planner.plan(cluster.status(inst))  # the plan its cost came from
-        return Choice(
-            inst,
-            usable_blocks=plan.usable_blocks,
-            fetch_us=plan.fetch_us,
-            fetch_octets=sum(plan.octets_from.values()),
-            prefetch=self.placement.prefetch,
-        )
+        return _fetching(cluster, inst, planner, self.placement.prefetch)
+
+
+def _fetching(cluster: Cluster, inst: SimInstance, planner: FetchPlanner, prefetch: bool) -> Choice:
+    """``inst`` loading the matched prefix as its fetch plan says."""
+    plan = planner.plan(cluster.status(inst))
+    return Choice(
+        inst,
+        usable_blocks=plan.usable_blocks,
+        fetch_us=plan.fetch_us,
+        fetch_octets=sum(plan.octets_from.values()),
+        prefetch=prefetch,
+    )
+
+
+@dataclass
+class Replay:
+    """Each request on the instance it names (``SimRequest.instance``), which loads every
+    matched block it lacks as a real instance does: replays placements made elsewhere (a real
+    controller's, for validation)."""
+
+    name: str = "replay"
+    infinite_cache: bool = False
+    hints: bool = False
+
+    def choose(self, cluster: Cluster, request: SimRequest, blocks: list[BlockId]) -> Choice:
+        if request.instance is None:
+            raise ConfigurationError("a replayed request names its instance")
+        found = cluster.index.lookup(cluster.compat, cluster.scope(request.tenant), request.keys)
+        planner = FetchPlanner([[r.get_summary() for r in block.replicas] for block in found])
+        return _fetching(cluster, cluster.instances[request.instance], planner, False)
 
 
 @dataclass

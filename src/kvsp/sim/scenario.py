@@ -7,8 +7,9 @@ A scenario file is TOML::
 
     name = "16 x H100-class, 8B model"
     [model]      layers, kv_heads, head_dim, element_octets, block_tokens
-    [instances]  count, prefill_tokens_per_s, decode_step_ms, decode_ms_per_gbyte,
-                 g1_blocks, g2_blocks, host_read_mbit_per_s, overhead_ms
+    [instances]  count, prefill_tokens_per_s, attention_ns_per_pair, decode_step_ms,
+                 decode_ms_per_gbyte, g1_blocks, g2_blocks, host_read_mbit_per_s,
+                 ingress_mbit_per_s, overhead_ms
     [links]      mbit_per_s, rtt_us            (every pair, unless a [[links.pair]] says else)
     [holders]    count, blocks, read_mbit_per_s (each instance copies every block it
                  computes to one of them, chosen by the block's key)
@@ -86,7 +87,10 @@ class ModelShape:
 @dataclass(frozen=True)
 class InstanceSpec:
     count: int = 16
-    prefill_tokens_per_s: float = 12_000.0
+    #: prompt tokens per second, attention aside ...
+    prefill_tokens_per_s: float = 15_000.0
+    #: ... plus this per (new token, token it attends to) pair: attention grows with context
+    attention_ns_per_pair: float = 0.0
     #: a decode step with nothing in the batch (the weights are read once per step) ...
     decode_step_ms: float = 6.0
     #: ... plus this per GB of KV the batch reads (HBM bandwidth)
@@ -95,6 +99,9 @@ class InstanceSpec:
     g2_blocks: int = 3_000
     #: G2 -> G1 copy rate (host to device)
     host_read_mbit_per_s: float = 200_000.0
+    #: what an instance can receive at once, from all sources together (0: no limit beyond
+    #: each link's own rate)
+    ingress_mbit_per_s: float = 0.0
     #: time a request spends outside prefill before its first token (HTTP, placement,
     #: scheduling), added to each one
     overhead_ms: float = 0.0

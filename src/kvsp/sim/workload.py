@@ -48,6 +48,8 @@ class SimRequest:
     tool_call: bool = False
     #: the session's last turn (known to generated workloads only)
     last: bool = False
+    #: the instance it ran on, for replaying placements made elsewhere (``policies.Replay``)
+    instance: int | None = None
 
 
 def tenant_scope_key(tenant: int) -> bytes:
