@@ -147,3 +147,27 @@ def test_hints_are_planned_by_the_controller_and_carried_out_by_instances() -> N
     assert any(k.startswith("kv.pin:") for k in hints)
     assert any(k.startswith("kv.demote:") for k in hints)  # each session's last turn
     consistent(cluster)
+
+
+def test_attention_import_overhead_and_ingress_are_charged() -> None:
+    x = keys("a", 4)
+    instances = dataclasses.replace(
+        SMALL.instances,
+        attention_ns_per_pair=1_000,  # 1 us per (new token, attended token) pair
+        import_mbit_per_s=8,  # one data octet per microsecond
+        ingress_mbit_per_s=0.5,  # half the link's rate: 16 us per octet
+        overhead_ms=2,
+    )
+    scenario = dataclasses.replace(SMALL, instances=instances)
+    requests = [
+        SimRequest(0, 0, "s1", x, 64, 1),
+        SimRequest(100, 0, "s2", keys("b", 125), 2_000, 1),
+        SimRequest(200, 0, "s1", [*x, *keys("c", 1)], 80, 1),
+    ]
+    first, _, third = by_arrival(Cluster(scenario, make_policy("kvsp"), 0).run(requests))
+    assert first.ttft_us == pytest.approx(2_000 + 64_000 + 64 * 32)
+    block_octets = FIXED_HEADER_OCTETS + 16 * 2 + 512
+    fetch = 16 * 4 * block_octets  # ingress-bound, not link-bound
+    compute = 2_000 + 16_000 + 16 * (64 + 8)
+    assert third.instance == 1
+    assert third.ttft_us == pytest.approx(fetch + 4 * 512 + compute)

@@ -12,18 +12,19 @@ KvHints are planned by the controller's ``SessionHintTable`` and carried out by 
 
 What is modelled: the octets (a simulated tier keeps sizes only), and time. Each instance
 prefills one request at a time, first come first served: a request starts when the instance is
-free and, with prefetch, when its remote blocks have arrived (the fetch overlaps the wait); it
-takes the time to copy its G2 blocks to G1 (``host_read_mbit_per_s``), plus the fetch time when
-it did not prefetch (never faster than the instance's ``ingress_mbit_per_s``), plus its unmatched
-tokens at ``prefill_tokens_per_s`` and ``attention_ns_per_pair`` for each pair of a new token and
-a token it attends to, plus the scenario's per-request ``overhead_ms``; TTFT is the end of that
-prefill. Decoding runs beside prefill (a
+free and, with prefetch, when its remote blocks have arrived (the fetch overlaps the wait). Its
+service time is the copy of its G2 blocks to G1 (``host_read_mbit_per_s``), the engine turning
+every reused block into its cache (``import_mbit_per_s``; 0 for engines that use pages in
+place), the fetch when it did not prefetch (a fetch is never faster than the instance's
+``ingress_mbit_per_s``), its unmatched tokens at ``prefill_tokens_per_s`` plus
+``attention_ns_per_pair`` for each pair of a new token and a token it attends to, and the
+per-request ``overhead_ms``; TTFT is the end of that prefill. Decoding runs beside prefill (a
 batch whose step is ``decode_step_ms`` plus ``decode_ms_per_gbyte`` per GB of KV in the batch,
-fixed when the request joins it) and only
-decides how long the request's blocks stay in use. Store changes happen when they would in an
-instance: reused and fetched blocks at placement, computed blocks at the end of prefill. A
-failed instance loses its blocks (withdrawn) and its requests not yet past prefill are placed
-again at the moment of failure, their TTFT still counted from their arrival.
+fixed when the request joins it) and only decides how long the request's blocks stay in use.
+Store changes happen when they would in an instance: reused and fetched blocks at placement,
+computed blocks at the end of prefill. A failed instance loses its blocks (withdrawn) and its
+requests not yet past prefill are placed again at the moment of failure, their TTFT still
+counted from their arrival.
 """
 
 from __future__ import annotations
@@ -376,6 +377,8 @@ class Cluster:
             admission.g2_octets = self._take(inst, admission, local, reused)
         admission.reused = reused
         load_us = 8 * admission.g2_octets / spec.host_read_mbit_per_s
+        if spec.import_mbit_per_s and not self.policy.infinite_cache:
+            load_us += 8 * reused * self.data_octets / spec.import_mbit_per_s
         reused_tokens = min(reused * self.scenario.model.block_tokens, request.prompt_tokens)
         new = request.prompt_tokens - reused_tokens
         compute_us = 1e6 * new / spec.prefill_tokens_per_s + 1e3 * spec.overhead_ms

@@ -128,6 +128,7 @@ def _lines(
     ylabel: str,
     title: str,
     path: Path,
+    log_y: bool = False,
 ) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -137,7 +138,9 @@ def _lines(
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.grid(True, alpha=0.3)
+    if log_y:
+        ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -156,4 +159,4 @@ def plot_ttft_vs_rate(
     points: Mapping[str, Sequence[tuple[float, float]]], title: str, path: Path
 ) -> Path:
     """Mean TTFT per policy against the request rate."""
-    return _lines(points, "requests per second", "mean TTFT (ms)", title, path)
+    return _lines(points, "requests per second", "mean TTFT (ms)", title, path, log_y=True)

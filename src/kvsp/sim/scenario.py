@@ -9,7 +9,7 @@ A scenario file is TOML::
     [model]      layers, kv_heads, head_dim, element_octets, block_tokens
     [instances]  count, prefill_tokens_per_s, attention_ns_per_pair, decode_step_ms,
                  decode_ms_per_gbyte, g1_blocks, g2_blocks, host_read_mbit_per_s,
-                 ingress_mbit_per_s, overhead_ms
+                 ingress_mbit_per_s, import_mbit_per_s, overhead_ms
     [links]      mbit_per_s, rtt_us            (every pair, unless a [[links.pair]] says else)
     [holders]    count, blocks, read_mbit_per_s (each instance copies every block it
                  computes to one of them, chosen by the block's key)
@@ -102,6 +102,9 @@ class InstanceSpec:
     #: what an instance can receive at once, from all sources together (0: no limit beyond
     #: each link's own rate)
     ingress_mbit_per_s: float = 0.0
+    #: how fast the engine turns reused KV (its own or fetched) into its attention cache
+    #: (0: used in place, as paged GPU engines do)
+    import_mbit_per_s: float = 0.0
     #: time a request spends outside prefill before its first token (HTTP, placement,
     #: scheduling), added to each one
     overhead_ms: float = 0.0
