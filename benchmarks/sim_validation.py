@@ -5,11 +5,12 @@ with offload, two instances on the CPU, one thread each) and to the simulator (`
 scenario, each request on the same instance through ``policies.Replay``). The simulator's
 parameters come from the real run: the per-request overhead, the prefill rate and the attention
 cost per token pair are fitted to the cold prompts (TTFT = overhead + n / rate + pair cost x
-n^2 / 2, least relative squares); the link rate and round trip (also the instance's ingress: it
-receives one verified stream at a time) are what the instances measured (their Instance Status
-Records). Requests go one at a time, so neither side queues. The workload: cold prompts of 16
-to 1,536 tokens, continuations that reuse their prefix from the instance's own pool, and
-continuations sent to the other instance, which fetches the prefix through the Index Service.
+n^2 / 2, least relative squares); the link rate and round trip per source are what the
+instances measured (their Instance Status Records; an instance fetches from several sources at
+once, eight blocks at a time). Requests go one at a time, so neither side queues. The workload:
+cold prompts of 16 to 1,536 tokens, continuations that reuse their prefix from the instance's
+own pool, and continuations sent to the other instance, which fetches the prefix through the
+Index Service.
 
 Figures: per request, real and simulated TTFT and cached tokens; the largest relative TTFT
 error among cold prefills, local reuse and remote reuse; ``ratio`` = the largest error over the
@@ -124,7 +125,6 @@ def main() -> None:
             prefill_tokens_per_s=1e3 / per_token,
             attention_ns_per_pair=max(per_pair * 1e6, 0.0),
             overhead_ms=max(overhead, 0.0),
-            ingress_mbit_per_s=link,
         ),
         links=LinkSpec(mbit_per_s=link, rtt_us=rtt),
         holders=HolderSpec(count=1, blocks=4096, read_mbit_per_s=base.holders.read_mbit_per_s),
