@@ -102,24 +102,27 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot_ttft_cdf(runs: Mapping[str, Sequence[RequestResult]], title: str, path: Path) -> Path:
-    """TTFT CDF per policy (log scale)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, results in runs.items():
-        ttft = np.sort([r.ttft_us / 1e3 for r in results if math.isfinite(r.ttft_us)])
-        if ttft.size:
-            ax.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first token (ms)")
-    ax.set_ylabel("share of requests")
+def _save(ax: Any, fig: Any, xlabel: str, ylabel: str, title: str, path: Path) -> Path:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
+
+
+def plot_ttft_cdf(runs: Mapping[str, Sequence[RequestResult]], title: str, path: Path) -> Path:
+    """TTFT CDF per policy (log scale)."""
+    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
+    for name, results in runs.items():
+        ttft = np.sort([r.ttft_us / 1e3 for r in results if math.isfinite(r.ttft_us)])
+        if ttft.size:
+            ax.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=name)
+    ax.set_xscale("log")
+    return _save(ax, fig, "time to first token (ms)", "share of requests", title, path)
 
 
 def _lines(
@@ -130,28 +133,19 @@ def _lines(
     path: Path,
     log_y: bool = False,
 ) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
     for name, series in points.items():
         xs, ys = zip(*sorted(series), strict=True)
         ax.plot(xs, ys, marker="o", label=name)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
     if log_y:
         ax.set_yscale("log")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(ax, fig, xlabel, ylabel, title, path)
 
 
 def plot_hit_vs_cache(
     points: Mapping[str, Sequence[tuple[float, float]]], title: str, path: Path
 ) -> Path:
-    """Prefix hit rate per policy against the cluster's cache size (blocks)."""
+    """Prefix hit rate per policy against the cluster's cache size (TB)."""
     return _lines(points, "cluster cache (G1 + G2, TB)", "prefix hit rate (tokens)", title, path)
 
 
