@@ -27,6 +27,7 @@ from kvsp.core.ids import parse_block_key, parse_compat_id
 from kvsp.core.keys import ROOT_PARENT, block_keys, scope_id
 from kvsp.core.problems import InvalidInput, KvspError
 from kvsp.core.registries import CODEC_RAW
+from kvsp.sim.scenario import DEFAULT_SCENARIO
 
 if TYPE_CHECKING:
     from kvsp.local import LocalCluster
@@ -525,7 +526,7 @@ def demo_command(
 def sim_command(
     scenario: Annotated[
         str, typer.Option(help="a scenario file (TOML) or a shipped scenario's name")
-    ] = "h100-8b-16",
+    ] = DEFAULT_SCENARIO,
     trace: Annotated[
         Path | None, typer.Option(help="a Mooncake trace (JSON lines) to replay")
     ] = None,
