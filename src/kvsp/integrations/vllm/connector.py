@@ -1,0 +1,463 @@
+"""``KVSPConnector``: vLLM's KV cache speaking KVSP.
+
+vLLM runs one connector object per role. The **scheduler** side decides: it cuts each prompt
+into Block Keys with its tenant's scope key, asks the Index Service how many of the blocks after
+vLLM's own prefix-cache hit are held somewhere (``get_num_new_matched_tokens``), and, each step,
+hands the worker the blocks to load into the pages vLLM allocated and the blocks whose tokens
+the step completes. The **worker** side moves octets: it fetches blocks layer range by layer
+range from their holders (every layer digest and ``Repr-Digest`` verified by ``HolderClient``),
+writes each range into vLLM's paged cache as soon as it has arrived, so
+``wait_for_layer_load(layer)`` returns while later layers are still in flight, and copies the
+blocks a step completed out of the cache (kvsp-layout-1), PUTs them to a holder (which publishes
+them to the IS) in the background. A block that cannot be fetched or fails verification is never
+written: it and every later block of that request are reported through
+``get_block_ids_with_load_errors`` and vLLM recomputes them (run vLLM with
+``kv_load_failure_policy = "recompute"``). A save that fails costs only a later miss.
+
+The load path is synchronous from vLLM's point of view (sync loading, layer-pipelined), which
+keeps vLLM's request states simple: a request never waits for remote KV between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvsp.core.container import Container, section_array
+from kvsp.core.problems import AlreadyStored, ConfigurationError, KvspError
+from kvsp.core.records import LookupRequest, ReplicaRecord
+from kvsp.holder.client import HolderClient
+from kvsp.index.client import IndexClient
+from kvsp.integrations.vllm.layout import CpuPagedLayer
+from kvsp.integrations.vllm.loop import LoopThread
+from kvsp.integrations.vllm.plans import (
+    BlockLoad,
+    RequestPlan,
+    TrackedRequest,
+    check_block_sizes,
+)
+from kvsp.integrations.vllm.settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KVSPConnector", "KVSPConnectorMetadata"]
+
+log = logging.getLogger("kvsp.vllm")
+_LAYER = re.compile(r"layers\.(\d+)\.")
+#: saves in flight at most; past it a completed block is not saved (a later miss, no harm)
+_MAX_PENDING_SAVES = 512
+
+
+@dataclass
+class KVSPConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """What the worker does this step."""
+
+    plans: tuple[RequestPlan, ...] = ()
+
+
+def _layer_index(name: str) -> int:
+    found = _LAYER.search(name)
+    if found is None:
+        raise ConfigurationError(f"cannot tell the layer number of vLLM layer {name!r}")
+    return int(found.group(1))
+
+
+def _holders_first(records: Sequence[ReplicaRecord], near: str | None) -> tuple[ReplicaRecord, ...]:
+    """Records of the configured (nearby) holder first; the IS's order otherwise."""
+    return tuple(sorted(records, key=lambda r: r.holder != near))
+
+
+@dataclass
+class _LoadRun:
+    """The loads of one step: per layer, an event set once every block has that layer in place
+    (or has failed); per request, the first block that failed."""
+
+    plans: tuple[RequestPlan, ...]
+    layers: int
+    events: list[threading.Event] = field(default_factory=list)
+    failed: dict[str, int] = field(default_factory=dict)
+    cancelled: bool = False
+    future: Future[None] | None = None
+
+    def __post_init__(self) -> None:
+        self.events = [threading.Event() for _ in range(self.layers)]
+
+    def fail(self, plan: RequestPlan, index: int) -> None:
+        self.failed[plan.request] = min(index, self.failed.get(plan.request, index))
+
+    def live(self, plan: RequestPlan, index: int) -> bool:
+        return not self.cancelled and index < self.failed.get(plan.request, len(plan.loads))
+
+    def error_pages(self, page_tokens: int) -> set[int]:
+        """vLLM blocks holding a failed block or any later loaded block of its request."""
+        pages: set[int] = set()
+        for plan in self.plans:
+            first = self.failed.get(plan.request)
+            if first is None or not plan.loads:
+                continue
+            start = plan.loads[first].first_token // page_tokens
+            end = (plan.loads[-1].first_token // page_tokens) + 1
+            pages.update(plan.pages[start:end])
+        return pages
+
+
+class KVSPConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        model = vllm_config.model_config
+        self.settings = ConnectorSettings.parse(extra, str(model.model))
+        d = self.settings.descriptor
+        self.block_tokens = d.block_tokens
+        self.page_tokens = int(vllm_config.cache_config.block_size)
+        check_block_sizes(self.block_tokens, self.page_tokens)
+        hf = model.hf_config
+        heads = int(hf.num_attention_heads)
+        head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // heads)
+        found = (int(hf.num_hidden_layers), int(hf.num_key_value_heads), head_dim, model.dtype)
+        if found != (d.layers, d.kv_heads, d.head_dim, torch.float32) or d.kv_dtype != "float32":
+            raise ConfigurationError(
+                f"vLLM runs layers, KV heads, head dim, dtype {found}; the kvsp descriptor "
+                f"says {(d.layers, d.kv_heads, d.head_dim, d.kv_dtype)}: not the same cache"
+            )
+        self.compat = d.compat_id()
+        self.compat_hex = self.compat.hex()
+        self.geometry = d.geometry
+        self._loop = LoopThread(f"kvsp-{role.name.lower()}")
+        self._index: IndexClient | None = None
+        self._holders: HolderClient | None = None
+        # scheduler side
+        self._tracked: dict[str, TrackedRequest] = {}
+        self._requests: dict[str, Request] = {}
+        # worker side
+        self._layers: dict[int, CpuPagedLayer] = {}
+        self._names: dict[str, int] = {}
+        self._run: _LoadRun | None = None
+        self._staged: dict[tuple[str, str, str], dict[int, tuple[Any, Any]]] = {}
+        self._saves: set[Future[None]] = set()
+        self._save_lock = threading.Lock()
+        self.saved_blocks = 0
+        self.loaded_blocks = 0
+
+    # -- clients (created on the connector's loop) ------------------------------------------------
+
+    def _index_client(self) -> IndexClient:
+        if self._index is None:
+            s = self.settings
+            self._index = IndexClient(s.index_url, s.token, timeout_s=s.timeout_s)
+        return self._index
+
+    def _holder_client(self) -> HolderClient:
+        if self._holders is None:
+            self._holders = HolderClient(self.settings.token, timeout_s=self.settings.timeout_s)
+        return self._holders
+
+    # -- scheduler side ---------------------------------------------------------------------------
+
+    def _track(self, request: Request) -> TrackedRequest | None:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is not None:
+            return tracked
+        params: Mapping[str, Any] | None = request.kv_transfer_params
+        tenant = self.settings.tenant_of(params)
+        if tenant is None:
+            return None
+        given: Sequence[str] = ()
+        kvsp = params.get("kvsp") if params is not None else None
+        if self.settings.request_tenants and isinstance(kvsp, Mapping):
+            keys = kvsp.get("prefix_keys", ())
+            if isinstance(keys, list | tuple) and all(isinstance(k, str) for k in keys):
+                given = tuple(keys)
+        tracked = TrackedRequest.start(
+            tenant.scope_key, tenant.scope_id, self.compat, self.block_tokens, given
+        )
+        self._tracked[request.request_id] = tracked
+        self._requests[request.request_id] = request
+        return tracked
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        tracked = self._track(request)
+        if tracked is None:
+            return 0, False
+        if tracked.lookup is None or tracked.lookup[0] != num_computed_tokens:
+            tracked.lookup = (num_computed_tokens, self._lookup(tracked, request, num_computed_tokens))
+        return len(tracked.lookup[1]) * self.block_tokens, False
+
+    def _lookup(
+        self, tracked: TrackedRequest, request: Request, computed: int
+    ) -> tuple[BlockLoad, ...]:
+        wanted = tracked.wanted(list(request.prompt_token_ids or ()), computed)
+        if not wanted:
+            return ()
+        query = LookupRequest(scope_id=tracked.scope_id, compat_id=self.compat_hex, block_keys=tuple(wanted))
+        try:
+            answer = self._loop.run(self._index_client().lookup(query), self.settings.timeout_s)
+        except (KvspError, TimeoutError) as exc:
+            log.warning("index lookup failed, computing the prompt: %s", exc)
+            return ()
+        near = self.settings.holder_url
+        return tuple(
+            BlockLoad(key, 0, _holders_first(records, near))
+            for key, records in zip(wanted, answer.replicas, strict=False)
+        )
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            return
+        computed = tracked.lookup[0] if tracked.lookup is not None else request.num_computed_tokens
+        tracked.allocated(computed, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        scheduled = scheduler_output.num_scheduled_tokens
+        steps = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        steps += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        plans = []
+        for request_id, computed in steps:
+            tracked = self._tracked.get(request_id)
+            request = self._requests.get(request_id)
+            if tracked is None or request is None:
+                continue
+            done = computed + scheduled.get(request_id, 0)
+            loads, saves = tracked.step(request.all_token_ids, done)
+            if self.settings.holder_url is None:
+                saves = []
+            if loads or saves:
+                assert self._kv_cache_manager is not None, "vLLM binds its cache manager first"
+                (pages,) = self._kv_cache_manager.get_block_ids(request_id)
+                plans.append(
+                    RequestPlan(
+                        request_id,
+                        self.compat_hex,
+                        tracked.scope_id,
+                        tuple(pages),
+                        loads,
+                        tuple(saves),
+                    )
+                )
+        return KVSPConnectorMetadata(tuple(plans))
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        tracked = self._tracked.pop(request.request_id, None)
+        if tracked is None:
+            return False, None
+        return False, {"kvsp": {"loaded_tokens": tracked.loaded_tokens}}
+
+    # -- worker side: registration and loads -------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        g = self.geometry
+        for name, cache in kv_caches.items():
+            if cache.dtype != torch.float32 or cache.device.type != "cpu":
+                raise ConfigurationError(
+                    f"KVSPConnector needs vLLM's CPU float32 KV cache, got {cache.dtype} on "
+                    f"{cache.device}"
+                )
+            index = _layer_index(name)
+            self._names[name] = index
+            self._layers[index] = CpuPagedLayer(cache.numpy(), g.kv_heads, g.head_dim)
+        if sorted(self._layers) != list(range(g.layers)):
+            raise ConfigurationError(f"vLLM registered layers {sorted(self._layers)}")
+        if next(iter(self._layers.values())).block_size != self.page_tokens:
+            raise ConfigurationError("vLLM's KV cache pages do not have the configured size")
+
+    def _metadata(self) -> KVSPConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVSPConnectorMetadata)
+        return meta
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        plans = tuple(p for p in self._metadata().plans if p.loads)
+        if not plans:
+            return
+        run = _LoadRun(plans, self.geometry.layers)
+        self._run = run
+        run.future = self._loop.submit(self._load(run))
+
+    async def _load(self, run: _LoadRun) -> None:
+        """Layer range after layer range, every block's range fetched concurrently."""
+        try:
+            layers, chunk = self.geometry.layers, self.settings.layer_chunk
+            for first in range(0, layers, chunk):
+                last = min(first + chunk, layers) - 1
+                jobs = [
+                    (plan, i, load)
+                    for plan in run.plans
+                    for i, load in enumerate(plan.loads)
+                    if run.live(plan, i)
+                ]
+                got = await asyncio.gather(*(self._fetch(load, (first, last)) for _, _, load in jobs))
+                for (plan, i, load), container in zip(jobs, got, strict=True):
+                    if container is None:
+                        run.fail(plan, i)
+                    elif run.live(plan, i):
+                        self._write(plan, load, container)
+                for layer in range(first, last + 1):
+                    run.events[layer].set()
+        except BaseException:
+            for plan in run.plans:
+                run.fail(plan, 0)
+            raise
+        finally:
+            for event in run.events:
+                event.set()
+
+    async def _fetch(self, load: BlockLoad, layers: tuple[int, int]) -> Container | None:
+        for record in load.records:
+            try:
+                container = await self._holder_client().get(record, layers)
+            except KvspError as exc:
+                log.warning("block %s from %s not loaded: %s", load.key[:16], record.holder, exc)
+                continue
+            if container.header.token_count == self.block_tokens:
+                return container
+            log.warning("block %s from %s has %d tokens", load.key[:16], record.holder,
+                        container.header.token_count)
+        return None
+
+    def _write(self, plan: RequestPlan, load: BlockLoad, container: Container) -> None:
+        g = self.geometry
+        page, offset = plan.page_of(load.first_token, self.page_tokens)
+        for layer in container.layers:
+            k = section_array(layer.k, g.element, g.kv_heads, g.head_dim)
+            v = section_array(layer.v, g.element, g.kv_heads, g.head_dim)
+            self._layers[layer.layer].write(page, offset, k, v)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        run = self._run
+        if run is None:
+            return
+        if not run.events[self._names[layer_name]].wait(self.settings.timeout_s):
+            log.error("KV load timed out; the blocks are recomputed")
+            run.cancelled = True
+            for plan in run.plans:
+                run.fail(plan, 0)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        run, self._run = self._run, None
+        if run is None:
+            return set()
+        if run.future is not None:
+            try:
+                run.future.result(self.settings.timeout_s)
+            except Exception as exc:  # the loads failed as a whole; the blocks are recomputed
+                log.error("KV load failed: %r", exc)
+                run.cancelled = True
+                for plan in run.plans:
+                    run.fail(plan, 0)
+        self.loaded_blocks += sum(
+            run.failed.get(p.request, len(p.loads)) for p in run.plans
+        )
+        errors = run.error_pages(self.page_tokens)
+        if errors:
+            log.warning("%d vLLM blocks failed to load; vLLM recomputes them", len(errors))
+        return errors
+
+    # -- worker side: saves ----------------------------------------------------------------------
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        index = self._names.get(layer_name)
+        if index is None:
+            return
+        layer = self._layers[index]
+        for plan in self._metadata().plans:
+            for save in plan.saves:
+                page, offset = plan.page_of(save.first_token, self.page_tokens)
+                block = (plan.compat_id, plan.scope_id, save.key)
+                self._staged.setdefault(block, {})[index] = layer.read(
+                    page, offset, self.block_tokens
+                )
+
+    def wait_for_save(self) -> None:
+        staged, self._staged = self._staged, {}
+        layers = self.geometry.layers
+        for block, sections in staged.items():
+            if len(sections) != layers:
+                continue
+            container = Container.build(
+                0, self.block_tokens, [sections[i] for i in range(layers)], geometry=self.geometry
+            )
+            with self._save_lock:
+                if len(self._saves) >= _MAX_PENDING_SAVES:
+                    log.warning("too many saves in flight; block %s not saved", block[2][:16])
+                    continue
+                future = self._loop.submit(self._put(block, container))
+                self._saves.add(future)
+            future.add_done_callback(self._saved)
+
+    async def _put(self, block: tuple[str, str, str], container: Container) -> None:
+        holder = self.settings.holder_url
+        assert holder is not None
+        try:
+            await self._holder_client().put(holder, block, container)
+        except AlreadyStored:
+            return
+        except KvspError as exc:
+            log.warning("block %s not saved: %s", block[2][:16], exc)
+            return
+        self.saved_blocks += 1
+
+    def _saved(self, future: Future[None]) -> None:
+        with self._save_lock:
+            self._saves.discard(future)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait for the saves in flight (a process about to exit keeps its last blocks)."""
+        with self._save_lock:
+            pending = list(self._saves)
+        for future in pending:
+            try:
+                future.result(timeout_s if timeout_s is not None else self.settings.timeout_s)
+            except Exception as exc:  # a save that failed was logged; nothing else to do
+                log.debug("save ended with %r", exc)
+
+    def shutdown(self) -> None:
+        self.flush()
+
+        async def close() -> None:
+            for client in (self._index, self._holders):
+                if client is not None:
+                    await client.aclose()
+
+        try:
+            self._loop.run(close(), 5)
+        finally:
+            self._loop.close()
+
