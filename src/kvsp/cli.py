@@ -434,9 +434,20 @@ def instance_serve_command(
     max_pin_ms: Annotated[int, typer.Option("--max-pin-ms", min=1)] = 300_000,
     pin_session_bytes: Annotated[str, typer.Option("--pin-session-bytes")] = "64M",
     pin_total_bytes: Annotated[str, typer.Option("--pin-total-bytes")] = "256M",
+    engine: Annotated[
+        str, typer.Option("--engine", help="transformers (reference) or vllm (kvsp[vllm])")
+    ] = "transformers",
+    vllm_page_tokens: Annotated[
+        int, typer.Option("--vllm-page-tokens", min=16, help="tokens per vLLM KV page")
+    ] = 128,
+    vllm_kv_cache_gib: Annotated[
+        int, typer.Option("--vllm-kv-cache-gib", min=1, help="vLLM's KV cache size")
+    ] = 1,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run an inference instance on HOST:PORT under /kvsp/ (install the model first)."""
+    if engine not in ("transformers", "vllm"):
+        _fail(f"--engine must be transformers or vllm, not {engine!r}")
     from kvsp.controller.tenants import Tenants
     from kvsp.instance.app import create_app
     from kvsp.instance.hints import HintLimits
@@ -464,7 +475,14 @@ def instance_serve_command(
         ),
     )
     principals = _principals(auth, host)
-    _serve(create_app(InstanceService(config), principals), host, port, log_level)
+    if engine == "vllm":
+        from kvsp.integrations.vllm.instance import VllmInstanceService, VllmOptions
+
+        options = VllmOptions(tenants, vllm_page_tokens, vllm_kv_cache_gib)
+        service: InstanceService = VllmInstanceService(config, options)
+    else:
+        service = InstanceService(config)
+    _serve(create_app(service, principals), host, port, log_level)
 
 
 @app.command("up")

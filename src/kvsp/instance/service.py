@@ -74,7 +74,7 @@ from kvsp.core.urls import canonical_url
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.client import HolderClient
 from kvsp.holder.service import HolderConfig, HolderService
-from kvsp.holder.store import Protected
+from kvsp.holder.store import Protected, TierData
 from kvsp.index.client import IndexClient
 from kvsp.instance.engine import Engine, KvState
 from kvsp.instance.events import EventPage
@@ -209,21 +209,13 @@ class InstanceService:
         self.config = config
         self.url = canonical_url(config.url)
         self.files = files or installed(config.model_home, config.block_tokens)
-        self.engine = Engine(self.files, config.threads)
+        self.block_tokens = self.files.descriptor.block_tokens
         self.compat_id = self.files.compat_id.hex()
         self.epoch = int(time.time() * 1000)
         self.state = InstanceState.ACTIVE
-        g = self.files.descriptor.geometry
-        g1_layers = g.layers if config.g1_layers is None else config.g1_layers
-        if not 1 <= g1_layers <= g.layers:
-            raise ConfigurationError(f"g1_layers must be 1 to {g.layers}")
-        self.pages = KvPages(config.g1_blocks, g1_layers, 2 * g.section_bytes(config.block_tokens))
-        #: where the instance's own blocks go: their first layers in G1, the rest in G2
-        self.placement: list[tuple[Tier, tuple[int, int]]] | None = (
-            None
-            if g1_layers == g.layers
-            else [("device", (0, g1_layers - 1)), ("host", (g1_layers, g.layers - 1))]
-        )
+        #: where the instance's own blocks go (None: whole blocks, G1 first)
+        self.placement: list[tuple[Tier, tuple[int, int]]] | None = None
+        device = self._start_engine()
         self.in_use = BlockRefs()
         pins = PinTable(SystemClock(), config.hint_limits)
         self.holder = HolderService(
@@ -234,7 +226,7 @@ class InstanceService:
                 index_url=config.index_url,
                 index_token=config.token,
             ),
-            device=(self.pages.capacity, self.pages),
+            device=device,
             in_use=Protected(self.in_use, pins),
         )
         self.peers = HolderClient(config.token)
@@ -268,6 +260,23 @@ class InstanceService:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvsp-engine")
         self._idle_since = time.monotonic()
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def _start_engine(self) -> tuple[int, TierData] | None:
+        """Load the engine; its KV pages become the store's G1 tier (``device``), each block
+        keeping its first ``g1_layers`` layers there and the rest in G2."""
+        config, g = self.config, self.files.descriptor.geometry
+        self.engine = Engine(self.files, config.threads)
+        g1_layers = g.layers if config.g1_layers is None else config.g1_layers
+        if not 1 <= g1_layers <= g.layers:
+            raise ConfigurationError(f"g1_layers must be 1 to {g.layers}")
+        self.pages = KvPages(config.g1_blocks, g1_layers, 2 * g.section_bytes(config.block_tokens))
+        if g1_layers != g.layers:
+            self.placement = [("device", (0, g1_layers - 1)), ("host", (g1_layers, g.layers - 1))]
+        return self.pages.capacity, self.pages
+
+    def kv_utilization(self) -> float:
+        """The share of the engine's KV pages in use."""
+        return 1 - self.pages.free_pages * self.pages.page_octets / self.pages.capacity
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -307,8 +316,7 @@ class InstanceService:
                 "running": self.running(),
                 "queued": 0,
                 "batch_size": 1,
-                "kv_utilization": 1
-                - self.pages.free_pages * self.pages.page_octets / self.pages.capacity,
+                "kv_utilization": self.kv_utilization(),
                 "prefill_tokens_per_s": self.prefill_rate,
                 "decode_tokens_per_s": self.decode_rate,
                 "links": links,
@@ -414,7 +422,7 @@ class InstanceService:
         """The longest prefix of ``keys`` held here (G1, G2) or, through the IS, elsewhere;
         the session uses every block loaded, and counts where its tokens came from."""
         scope = session.tenant.scope_id
-        b = self.engine.block_tokens
+        b = self.block_tokens
 
         def read_local() -> list[Container]:
             store = self.holder.store
@@ -443,7 +451,7 @@ class InstanceService:
         """The longest prefix of ``rest`` found through the IS, verified and then held here."""
         assert self.index is not None
         scope = session.tenant.scope_id
-        b = self.engine.block_tokens
+        b = self.block_tokens
         out: list[Container] = []
         try:
             answer = await self.index.lookup(
@@ -504,7 +512,7 @@ class InstanceService:
         if not tokens:
             raise InvalidInput("a prompt needs at least one token")
         tenant = self.config.tenants.get(tenant_name)
-        b = self.engine.block_tokens
+        b = self.block_tokens
         cut = (len(tokens) - 1) // b
         compat = parse_compat_id(self.compat_id)
         all_keys = [k.hex() for k in BlockKeyChain(tenant.scope_key, compat, b).extend(tokens)]
@@ -528,8 +536,14 @@ class InstanceService:
             chain,
             hints=None if kv_hints is None else (principal, kv_hints),
         )
+        await self._begin(session, tokens)
+        return session
+
+    async def _begin(self, session: _Session, tokens: Sequence[int]) -> None:
+        """Load the longest prefix held anywhere, then compute the rest in the background."""
+        b = self.block_tokens
         try:
-            blocks = await self._load(session, prompt_blocks)
+            blocks = await self._load(session, session.prompt_blocks)
         except BaseException:
             await self._release(session)
             raise
@@ -541,7 +555,6 @@ class InstanceService:
         self._admit(session)
         rest = list(tokens[len(state) :])
         self._spawn(self._run(session, state, rest, 0))
-        return session
 
     async def resume(
         self, principal: Principal, checkpoint: SessionCheckpoint, max_tokens: int | None
@@ -551,7 +564,7 @@ class InstanceService:
         tenant = next((t for t in self.config.tenants if t.scope_id == checkpoint.scope_id), None)
         if tenant is None:
             raise NotFound(f"no tenant has scope {checkpoint.scope_id}")
-        b = self.engine.block_tokens
+        b = self.block_tokens
         compat = parse_compat_id(self.compat_id)
         parent = parse_block_key(checkpoint.prompt_blocks[-1]) if checkpoint.prompt_blocks else None
         chain = (
@@ -574,23 +587,30 @@ class InstanceService:
             released=checkpoint.output_offset,
             acknowledged=checkpoint.output_offset,
         )
+        await self._begin_resume(session, known)
+        return session
+
+    async def _begin_resume(self, session: _Session, known: Sequence[int]) -> None:
+        """Load the checkpoint's blocks (and later ones held anywhere), recompute the rest
+        (``known``: the prompt tail and the tokens generated so far) and continue."""
+        b = self.block_tokens
+        prompt_blocks = session.prompt_blocks
         # every block key whose tokens are all known, except the block holding the last token
-        keys = list(checkpoint.prompt_blocks) + [k.hex() for k in chain.keys]
-        covered_max = (len(checkpoint.prompt_blocks) * b + len(known) - 1) // b
+        keys = list(prompt_blocks) + [k.hex() for k in session.chain.keys]
+        covered_max = (len(prompt_blocks) * b + len(known) - 1) // b
         try:
             blocks = await self._load(session, keys[:covered_max])
-            if len(blocks) < len(checkpoint.prompt_blocks):
+            if len(blocks) < len(prompt_blocks):
                 raise NotFound("the checkpoint's prompt blocks are not held anywhere reachable")
         except BaseException:
             await self._release(session)
             raise
-        ids = [_UNKNOWN] * (len(checkpoint.prompt_blocks) * b) + known
+        ids = [_UNKNOWN] * (len(prompt_blocks) * b) + list(known)
         state = self.engine.state_from_blocks(blocks, ids[: len(blocks) * b])
         self._admit(session)
         rest = ids[len(state) :]
         session.max_tokens = max(session.max_tokens, len(session.generated))
         self._spawn(self._run(session, state, rest, len(session.generated)))
-        return session
 
     async def _run(
         self, session: _Session, state: KvState, rest: list[int], first_step: int
@@ -626,6 +646,10 @@ class InstanceService:
         except Exception as exc:  # the session ends with the error; the service goes on
             log.exception("session %s failed", session.session)
             session.error = repr(exc)
+        await self._finish(session)
+
+    async def _finish(self, session: _Session) -> None:
+        """The request is over: its blocks stored, released, its hints run, a last checkpoint."""
         await asyncio.sleep(0)  # let the last events land
         await asyncio.gather(*session.stores, return_exceptions=True)
         await self._release(session)

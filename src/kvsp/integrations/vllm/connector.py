@@ -69,7 +69,7 @@ _MAX_PENDING_SAVES = 512
 
 
 @dataclass
-class KVSPConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+class KVSPConnectorMetadata(KVConnectorMetadata):
     """What the worker does this step."""
 
     plans: tuple[RequestPlan, ...] = ()
@@ -121,14 +121,14 @@ class _LoadRun:
         return pages
 
 
-class KVSPConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KVSPConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.P2P
 
     def __init__(
         self,
         vllm_config: VllmConfig,
         role: KVConnectorRole,
-        kv_cache_config: KVCacheConfig | None = None,
+        kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
@@ -209,7 +209,10 @@ class KVSPConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if tracked is None:
             return 0, False
         if tracked.lookup is None or tracked.lookup[0] != num_computed_tokens:
-            tracked.lookup = (num_computed_tokens, self._lookup(tracked, request, num_computed_tokens))
+            tracked.lookup = (
+                num_computed_tokens,
+                self._lookup(tracked, request, num_computed_tokens),
+            )
         return len(tracked.lookup[1]) * self.block_tokens, False
 
     def _lookup(
@@ -218,7 +221,9 @@ class KVSPConnector(KVConnectorBase_V1):  # type: ignore[misc]
         wanted = tracked.wanted(list(request.prompt_token_ids or ()), computed)
         if not wanted:
             return ()
-        query = LookupRequest(scope_id=tracked.scope_id, compat_id=self.compat_hex, block_keys=tuple(wanted))
+        query = LookupRequest(
+            scope_id=tracked.scope_id, compat_id=self.compat_hex, block_keys=tuple(wanted)
+        )
         try:
             answer = self._loop.run(self._index_client().lookup(query), self.settings.timeout_s)
         except (KvspError, TimeoutError) as exc:
@@ -321,7 +326,9 @@ class KVSPConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     for i, load in enumerate(plan.loads)
                     if run.live(plan, i)
                 ]
-                got = await asyncio.gather(*(self._fetch(load, (first, last)) for _, _, load in jobs))
+                got = await asyncio.gather(
+                    *(self._fetch(load, (first, last)) for _, _, load in jobs)
+                )
                 for (plan, i, load), container in zip(jobs, got, strict=True):
                     if container is None:
                         run.fail(plan, i)
@@ -346,8 +353,12 @@ class KVSPConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue
             if container.header.token_count == self.block_tokens:
                 return container
-            log.warning("block %s from %s has %d tokens", load.key[:16], record.holder,
-                        container.header.token_count)
+            log.warning(
+                "block %s from %s has %d tokens",
+                load.key[:16],
+                record.holder,
+                container.header.token_count,
+            )
         return None
 
     def _write(self, plan: RequestPlan, load: BlockLoad, container: Container) -> None:
@@ -380,9 +391,7 @@ class KVSPConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 run.cancelled = True
                 for plan in run.plans:
                     run.fail(plan, 0)
-        self.loaded_blocks += sum(
-            run.failed.get(p.request, len(p.loads)) for p in run.plans
-        )
+        self.loaded_blocks += sum(run.failed.get(p.request, len(p.loads)) for p in run.plans)
         errors = run.error_pages(self.page_tokens)
         if errors:
             log.warning("%d vLLM blocks failed to load; vLLM recomputes them", len(errors))
@@ -423,16 +432,26 @@ class KVSPConnector(KVConnectorBase_V1):  # type: ignore[misc]
             future.add_done_callback(self._saved)
 
     async def _put(self, block: tuple[str, str, str], container: Container) -> None:
-        holder = self.settings.holder_url
-        assert holder is not None
+        """Store the block at the holder and at every copy holder."""
+        s = self.settings
+        assert s.holder_url is not None
+        stored = await asyncio.gather(
+            *(self._put_one(url, block, container) for url in (s.holder_url, *s.copy_urls))
+        )
+        if stored[0]:
+            self.saved_blocks += 1
+
+    async def _put_one(
+        self, holder: str, block: tuple[str, str, str], container: Container
+    ) -> bool:
         try:
             await self._holder_client().put(holder, block, container)
         except AlreadyStored:
-            return
+            return False
         except KvspError as exc:
-            log.warning("block %s not saved: %s", block[2][:16], exc)
-            return
-        self.saved_blocks += 1
+            log.warning("block %s not saved at %s: %s", block[2][:16], holder, exc)
+            return False
+        return True
 
     def _saved(self, future: Future[None]) -> None:
         with self._save_lock:
@@ -460,4 +479,3 @@ class KVSPConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._loop.run(close(), 5)
         finally:
             self._loop.close()
-

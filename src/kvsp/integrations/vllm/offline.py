@@ -5,11 +5,11 @@ It is how a deployment checks its connector settings before serving, and how the
 connector benchmark drive vLLM in processes of their own. ``SPEC.json``::
 
     {"model_dir": "...", "connector": "KVSPConnector" | "ExampleConnector" | null,
-     "extra_config": {...}, "prompts": [[token ids], ...], "max_tokens": 16,
-     "kv_transfer_params": {...}, "block_size": 128, "kv_cache_gib": 1}
+     "extra_config": {...}, "max_tokens": 16, "block_size": 128, "kv_cache_gib": 1,
+     "prompts": [[token ids] | {"tokens": [...], "kv_transfer_params": {...}}, ...]}
 
-Each line: ``{"tokens": [...], "cached_tokens": n, "ttft_ms": t, "kv_transfer_params": {...}}``
-(TTFT is measured by running the prompt for one token first, then the whole request).
+Each line: ``{"tokens": [...], "cached_tokens": n, "seconds": s, "kv_transfer_params": {...}}``
+(``seconds``: the whole request; with ``max_tokens`` 1, the time to the first token).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
     vllm_environment(int(spec.get("kv_cache_gib", 1)))
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
 
     model = Path(spec["model_dir"]).expanduser() / "safetensors"
     connector = spec.get("connector")
@@ -51,14 +52,19 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
         seed=0,
         distributed_executor_backend="uni",
     )
-    extra = {"kv_transfer_params": spec["kv_transfer_params"]} if "kv_transfer_params" in spec else None
     out = []
     for prompt in spec["prompts"]:
+        entry = prompt if isinstance(prompt, dict) else {"tokens": prompt}
+        transfer_params = entry.get("kv_transfer_params")
         params = SamplingParams(
-            max_tokens=int(spec.get("max_tokens", 16)), temperature=0.0, extra_args=extra
+            max_tokens=int(spec.get("max_tokens", 16)),
+            temperature=0.0,
+            extra_args=None if transfer_params is None else {"kv_transfer_params": transfer_params},
         )
         started = time.perf_counter()
-        (result,) = llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)
+        (result,) = llm.generate(
+            [TokensPrompt(prompt_token_ids=list(entry["tokens"]))], params, use_tqdm=False
+        )
         out.append(
             {
                 "tokens": list(result.outputs[0].token_ids),

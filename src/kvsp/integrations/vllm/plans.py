@@ -141,7 +141,9 @@ class TrackedRequest:
         self.settled = max(self.settled, (computed + external) // b)
         self.lookup = None
 
-    def step(self, tokens: Sequence[int], done: int) -> tuple[tuple[BlockLoad, ...], list[BlockSave]]:
+    def step(
+        self, tokens: Sequence[int], done: int
+    ) -> tuple[tuple[BlockLoad, ...], list[BlockSave]]:
         """Loads due now, and the blocks whose tokens are all computed once this step has
         computed up to token ``done``."""
         loads, self.pending = self.pending, ()

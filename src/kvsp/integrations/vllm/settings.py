@@ -7,6 +7,7 @@ Example (``--kv-transfer-config`` on vLLM's command line)::
      "kv_connector_extra_config": {
         "index_url": "http://127.0.0.1:9100/kvsp/",
         "holder_url": "http://127.0.0.1:9101/kvsp/",
+        "copy_urls": ["http://127.0.0.1:9102/kvsp/"],
         "token": "...", "tenants_file": "tenants.toml", "tenant": "acme",
         "model_dir": "~/.cache/kvsp/models/smollm2-135m-instruct-0.1.2"}}
 
@@ -36,6 +37,7 @@ _KEYS = frozenset(
     {
         "index_url",
         "holder_url",
+        "copy_urls",
         "token",
         "tenants_file",
         "tenant",
@@ -69,6 +71,8 @@ class ConnectorSettings:
     index_url: str
     #: where completed blocks are stored (None: the connector only loads)
     holder_url: str | None
+    #: holders that also get a copy of every saved block (a copy that outlives this process)
+    copy_urls: tuple[str, ...]
     token: str | None
     tenants: Tenants
     #: the tenant of requests that name none (None: such requests get no KVSP)
@@ -105,12 +109,16 @@ class ConnectorSettings:
             folder = Path(vllm_model).expanduser().parent  # the kvsp folder around safetensors/
         else:
             folder = Path(model_dir).expanduser()
+        copies = extra.get("copy_urls", [])
+        if not isinstance(copies, list) or not all(isinstance(u, str) and u for u in copies):
+            raise ConfigurationError("KVSPConnector setting 'copy_urls' must be a list of URLs")
         timeout = extra.get("timeout_s", 30.0)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise ConfigurationError("KVSPConnector setting 'timeout_s' must be a positive number")
         return cls(
             index_url=index_url,
             holder_url=None if holder is None else canonical_url(holder),
+            copy_urls=tuple(canonical_url(u) for u in copies),
             token=_text(extra, "token"),
             tenants=tenants,
             tenant=tenant,
