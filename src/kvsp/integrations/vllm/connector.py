@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["KVSPConnector", "KVSPConnectorMetadata"]
@@ -273,6 +274,15 @@ class KVSPConnector(KVConnectorBase_V1):
                     )
                 )
         return KVSPConnectorMetadata(tuple(plans))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        invalid = connector_output.invalid_block_ids
+        if not invalid or self._kv_cache_manager is None:
+            return
+        for request_id, tracked in self._tracked.items():
+            if tracked.loaded_tokens:
+                (pages,) = self._kv_cache_manager.get_block_ids(request_id)
+                tracked.load_failed(pages, invalid, self.page_tokens)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

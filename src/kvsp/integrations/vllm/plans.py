@@ -91,6 +91,8 @@ class TrackedRequest:
     settled: int = 0
     #: blocks to load once room is allocated, and the tokens they cover
     pending: tuple[BlockLoad, ...] = ()
+    #: where the loaded tokens start (what vLLM had), and how many were loaded
+    load_start: int = 0
     loaded_tokens: int = 0
     #: the last lookup: (tokens vLLM had, matched blocks with their records)
     lookup: tuple[int, tuple[BlockLoad, ...]] | None = field(default=None, repr=False)
@@ -137,9 +139,23 @@ class TrackedRequest:
             self.pending = tuple(
                 BlockLoad(load.key, computed + i * b, load.records) for i, load in enumerate(loads)
             )
-            self.loaded_tokens = external
+            self.load_start, self.loaded_tokens = computed, external
         self.settled = max(self.settled, (computed + external) // b)
         self.lookup = None
+
+    def load_failed(self, pages: Sequence[int], invalid: set[int], page_tokens: int) -> None:
+        """vLLM recomputes from the first loaded page that failed: only the tokens before it
+        count as loaded, and the blocks after it are saved again once recomputed."""
+        if not self.loaded_tokens:
+            return
+        first = self.load_start // page_tokens
+        last = (self.load_start + self.loaded_tokens - 1) // page_tokens
+        for page in range(first, min(last + 1, len(pages))):
+            if pages[page] in invalid:
+                kept = max(0, page * page_tokens - self.load_start)
+                self.loaded_tokens = kept
+                self.settled = min(self.settled, (self.load_start + kept) // self.block_tokens)
+                return
 
     def step(
         self, tokens: Sequence[int], done: int

@@ -1,0 +1,239 @@
+"""vLLM with KVSPConnector, in real processes beside a real Index Service, holder and reference
+(transformers) instance:
+
+- a second vLLM process gets its prefix from KVSP (cached tokens reported, output equal);
+- vLLM reuses blocks the reference instance wrote, and gives the reference's greedy tokens;
+- a block served corrupted is detected, recomputed, and the output is still correct;
+- a tenant never hits another tenant's blocks;
+- the controller routes a session to a vLLM instance and, after a SIGKILL, resumes it on another
+  vLLM instance, every token index once, equal to the reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kvsp.core.container import Container
+from kvsp.core.digests import repr_digest_of
+from kvsp.core.ids import parse_compat_id
+from kvsp.core.keys import block_keys, scope_id
+from kvsp.core.records import ReplicaRecord, Sampler
+from kvsp.holder.blocks import BlockMeta
+from kvsp.index.client import IndexClient
+from kvsp.instance.engine import Engine, KvState
+from kvsp.instance.model import ModelFiles
+from tests.integration.instances import PROMPT, Cluster, active, eventually, generate
+from tests.servers import running, serving
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+#: a longer prompt: two whole vLLM pages and part of a third
+LONG = (PROMPT * 6)[:300]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, model_files: ModelFiles) -> Iterator[Cluster]:
+    """An IS and a holder, shared by the tests of this module."""
+    cluster = Cluster(tmp_path_factory.mktemp("vllm"), model_files.compat_id.hex())
+    with running(cluster.index, cluster.holder):
+        yield cluster
+
+
+async def offline(
+    cluster: Cluster,
+    model_files: ModelFiles,
+    prompts: list[Any],
+    max_tokens: int = 16,
+    **extra: Any,
+) -> list[dict[str, Any]]:
+    """Prompts through vLLM with KVSPConnector in a process of its own."""
+    spec = {
+        "model_dir": str(model_files.folder),
+        "connector": "KVSPConnector",
+        "extra_config": {
+            "index_url": cluster.index.base_url,
+            "holder_url": cluster.holder_url,
+            "tenants_file": str(cluster.tenants),
+            "tenant": "acme",
+            **extra,
+        },
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+    }
+    path = cluster.tenants.with_name(f"spec-{uuid.uuid4().hex[:8]}.json")
+    path.write_text(json.dumps(spec))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvsp.integrations.vllm.offline", str(path),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await process.communicate()
+    path.with_suffix(".log").write_bytes(err)
+    assert process.returncode == 0, err.decode()[-4000:]
+    return [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
+
+
+def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
+    return list(engine.generate(KvState(), prompt, Sampler(method="greedy"), n))
+
+
+async def test_a_second_vllm_process_gets_its_prefix_from_kvsp(
+    cluster: Cluster, model_files: ModelFiles
+) -> None:
+    (first,) = await offline(cluster, model_files, [LONG])
+    assert first["cached_tokens"] == 0
+    (second,) = await offline(cluster, model_files, [LONG])
+    assert second["cached_tokens"] == 288  # every whole block but the one of the last token
+    assert second["kv_transfer_params"] == {"kvsp": {"loaded_tokens": 288}}
+    assert second["tokens"] == first["tokens"]
+
+
+async def test_vllm_reuses_blocks_of_the_reference_instance(
+    cluster: Cluster, model_files: ModelFiles, engine: Engine
+) -> None:
+    prompt = (PROMPT * 4)[:150]
+    with running(instance := cluster.instance()):
+        reference = await generate(instance.base_url, prompt, 16)
+    assert reference["tokens"] == greedy(engine, prompt, 16)
+    (answer,) = await offline(cluster, model_files, [prompt])
+    assert answer["cached_tokens"] == 144
+    assert answer["tokens"] == reference["tokens"]
+
+
+async def test_a_tenant_never_hits_another_tenants_blocks(
+    cluster: Cluster, model_files: ModelFiles
+) -> None:
+    prompt = (PROMPT[::-1] * 3)[:120]
+    (stored,) = await offline(cluster, model_files, [prompt])
+    other = {"kvsp": {"tenant": "other"}}
+    nobody = {"kvsp": {"tenant": "nobody"}}
+    answers = await offline(
+        cluster,
+        model_files,
+        [
+            {"tokens": prompt, "kv_transfer_params": other},
+            {"tokens": prompt},
+            {"tokens": prompt, "kv_transfer_params": nobody},
+        ],
+        request_tenants=True,
+        tenant=None,
+    )
+    # "other" misses and stores its own copy; without a tenant there is no KVSP at all
+    assert [a["cached_tokens"] for a in answers] == [0, 0, 0]
+    assert [a["kv_transfer_params"] for a in answers] == [
+        {"kvsp": {"loaded_tokens": 0}},
+        None,
+        None,
+    ]
+    assert {tuple(a["tokens"]) for a in answers} == {tuple(stored["tokens"])}
+
+
+def _corrupting_holder(blocks: dict[str, Container], bad: str) -> Starlette:
+    """A holder that serves one block with a byte flipped in its layer 12 (and a Repr-Digest
+    that matches what it sends, so only the layer digests can tell)."""
+
+    async def get(request: Request) -> Response:
+        key = request.path_params["key"]
+        container = blocks[key]
+        layers = request.query_params.get("layers")
+        if layers:
+            first, last = (int(x) for x in layers.split("-"))
+            container = container.slice(first, last)
+        body = bytearray(container.tobytes())
+        if key == bad and container.header.first_layer <= 12 <= container.header.last_layer:
+            body[container.header.offset_of(12) + 5] ^= 0x40
+        headers = {"repr-digest": repr_digest_of(body)}
+        return Response(bytes(body), media_type="application/kvsp-block", headers=headers)
+
+    return Starlette(routes=[Route("/kvsp/blocks/{compat}/{scope}/{key}", get)])
+
+
+async def test_a_corrupted_block_is_detected_and_recomputed(
+    cluster: Cluster, model_files: ModelFiles, engine: Engine
+) -> None:
+    prompt = (PROMPT[5:] * 6)[:260]
+    # vLLM's own output, storing nothing
+    (clean,) = await offline(cluster, model_files, [prompt], tenant="other", holder_url=None)
+    # the prompt's blocks from the reference engine, published only at a corrupting holder
+    state = KvState()
+    engine.forward(state, prompt)
+    compat = model_files.compat_id.hex()
+    scope_key = bytes.fromhex("66" * 32)  # tenant "other" of the cluster
+    scope = scope_id(scope_key).hex()
+    keys = [k.hex() for k in block_keys(scope_key, parse_compat_id(compat), prompt[:256], 16)]
+    blocks = {key: engine.export_block(state, i) for i, key in enumerate(keys)}
+    async with serving(_corrupting_holder(blocks, bad=keys[9])) as evil:
+        async with IndexClient(cluster.index.base_url) as index:
+            for key, container in blocks.items():
+                meta = BlockMeta.of(container)
+                record = ReplicaRecord.parse(
+                    {
+                        "block_key": key, "compat_id": compat, "scope_id": scope, "holder": evil,
+                        "codec": 1, "size": meta.size, "digest": meta.digest_text,
+                        "layer_digests": list(meta.layer_digests_hex),
+                        "residency": [{"tier": "host", "layers": [0, 29], "read_mbit_per_s": 8000}],
+                        "ttl_ms": 600_000,
+                    }
+                )  # fmt: skip
+                await index.publish(record)
+        (answer,) = await offline(cluster, model_files, [prompt], tenant="other")
+    # blocks 0-8 loaded; block 9 failed, so vLLM recomputed from its page (token 128) on
+    assert answer["kv_transfer_params"] == {"kvsp": {"loaded_tokens": 128}}
+    assert answer["tokens"] == clean["tokens"]
+
+
+async def test_controller_resumes_a_vllm_session_on_another_vllm_instance(
+    tmp_path: Path, model_files: ModelFiles, engine: Engine
+) -> None:
+    cluster = Cluster(tmp_path, model_files.compat_id.hex(), controller=True, frontend=True)
+    pc = cluster.pc
+    a, b = cluster.instance("--engine", "vllm"), cluster.instance("--engine", "vllm")
+    expected = greedy(engine, PROMPT, 40)
+    session = str(uuid.uuid4())
+    killed: list[str] = []
+    chunks: list[dict[str, Any]] = []
+    with running(cluster.index, cluster.holder, cluster.controller, a, b):
+        await eventually(lambda: active(pc), {a.base_url, b.base_url})
+        body = {
+            "prompt": PROMPT,
+            "max_tokens": 40,
+            "session": session,
+            "temperature": 0,
+            "stream": True,
+        }
+        headers = {"authorization": "Bearer key-acme"}
+        async with (
+            httpx.AsyncClient(timeout=180) as http,
+            http.stream("POST", pc + "v1/completions", json=body, headers=headers) as r,
+        ):
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunks.append(json.loads(line[6:]))
+                if chunks[-1].get("kvsp", {}).get("index") == 19 and not killed:
+                    serving_now = (await http.get(f"{pc}sessions/{session}")).json()["instance"]
+                    victim = a if serving_now == a.base_url else b
+                    victim.stop(signal.SIGKILL)
+                    killed.append(serving_now)
+    assert killed
+    tokens = [c["kvsp"] for c in chunks[:-1]]
+    assert [t["index"] for t in tokens] == list(range(40))
+    assert [t["token"] for t in tokens] == expected
+    assert {t["epoch"] for t in tokens} == {0, 1}
+    summary = chunks[-1]["kvsp"]
+    assert summary["resumed"] == 1
+    assert summary["instance"] != killed[0]
