@@ -75,9 +75,12 @@ class HolderClient(ClosingClient):
     first use, inside the running event loop.
     """
 
-    def __init__(self, token: str | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, token: str | None = None, timeout_s: float = 30.0, connections: int = 64
+    ) -> None:
         self._headers = auth_headers(token)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._connections = connections
         self._session: aiohttp.ClientSession | None = None
 
     async def aclose(self) -> None:
@@ -102,7 +105,7 @@ class HolderClient(ClosingClient):
             self._session = aiohttp.ClientSession(
                 headers=self._headers,
                 timeout=self._timeout,
-                connector=aiohttp.TCPConnector(limit=64),
+                connector=aiohttp.TCPConnector(limit=self._connections),
             )
         url = canonical_url(holder) + path
         try:

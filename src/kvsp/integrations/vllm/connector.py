@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvsp.core.container import Container, section_array
-from kvsp.core.problems import AlreadyStored, ConfigurationError, KvspError
+from kvsp.core.problems import AlreadyStored, ConfigurationError, ContainerError, KvspError
 from kvsp.core.records import LookupRequest, ReplicaRecord
 from kvsp.holder.client import HolderClient
 from kvsp.index.client import IndexClient
@@ -49,6 +49,7 @@ from kvsp.integrations.vllm.plans import (
     RequestPlan,
     TrackedRequest,
     check_block_sizes,
+    fetch_ranges,
 )
 from kvsp.integrations.vllm.settings import ConnectorSettings
 
@@ -67,6 +68,8 @@ log = logging.getLogger("kvsp.vllm")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 #: saves in flight at most; past it a completed block is not saved (a later miss, no harm)
 _MAX_PENDING_SAVES = 512
+#: connections to holders: enough for every block of a long prompt to stream at once
+_CONNECTIONS = 32
 
 
 @dataclass
@@ -74,6 +77,10 @@ class KVSPConnectorMetadata(KVConnectorMetadata):
     """What the worker does this step."""
 
     plans: tuple[RequestPlan, ...] = ()
+
+
+class _Abandoned(Exception):
+    """A block load stopped because its request no longer needs it."""
 
 
 def _layer_index(name: str) -> int:
@@ -90,24 +97,44 @@ def _holders_first(records: Sequence[ReplicaRecord], near: str | None) -> tuple[
 
 @dataclass
 class _LoadRun:
-    """The loads of one step: per layer, an event set once every block has that layer in place
-    (or has failed); per request, the first block that failed."""
+    """The loads of one step. Per layer: how many blocks still have to put that layer in place
+    (or give up), and an event set when none has; per request, the first block that failed."""
 
     plans: tuple[RequestPlan, ...]
     layers: int
     events: list[threading.Event] = field(default_factory=list)
+    remaining: list[int] = field(default_factory=list)
+    #: per layer, the verified sections waiting to be written: (page, offset, K, V)
+    arrived: list[list[tuple[int, int, Any, Any]]] = field(default_factory=list)
     failed: dict[str, int] = field(default_factory=dict)
     cancelled: bool = False
     future: Future[None] | None = None
 
     def __post_init__(self) -> None:
         self.events = [threading.Event() for _ in range(self.layers)]
+        self.remaining = [sum(len(p.loads) for p in self.plans)] * self.layers
+        self.arrived = [[] for _ in range(self.layers)]
+
+    def settled(self, first: int, last: int) -> None:
+        """One block's layers ``first..last`` are in place, or will never be."""
+        for layer in range(first, last + 1):
+            self.remaining[layer] -= 1
+            if self.remaining[layer] <= 0:
+                self.events[layer].set()
 
     def fail(self, plan: RequestPlan, index: int) -> None:
         self.failed[plan.request] = min(index, self.failed.get(plan.request, index))
 
     def live(self, plan: RequestPlan, index: int) -> bool:
         return not self.cancelled and index < self.failed.get(plan.request, len(plan.loads))
+
+    def give_up(self) -> None:
+        """Every load fails (recomputed), and nothing waits any longer."""
+        self.cancelled = True
+        for plan in self.plans:
+            self.fail(plan, 0)
+        for event in self.events:
+            event.set()
 
     def error_pages(self, page_tokens: int) -> set[int]:
         """vLLM blocks holding a failed block or any later loaded block of its request."""
@@ -166,8 +193,10 @@ class KVSPConnector(KVConnectorBase_V1):
         self._save_lock = threading.Lock()
         self.saved_blocks = 0
         self.loaded_blocks = 0
+        if role == KVConnectorRole.SCHEDULER:
+            self._warm()
 
-    # -- clients (created on the connector's loop) ------------------------------------------------
+    # -- clients ----------------------------------------------------------------------------------
 
     def _index_client(self) -> IndexClient:
         if self._index is None:
@@ -177,8 +206,16 @@ class KVSPConnector(KVConnectorBase_V1):
 
     def _holder_client(self) -> HolderClient:
         if self._holders is None:
-            self._holders = HolderClient(self.settings.token, timeout_s=self.settings.timeout_s)
+            s = self.settings
+            self._holders = HolderClient(s.token, timeout_s=s.timeout_s, connections=_CONNECTIONS)
         return self._holders
+
+    def _warm(self) -> None:
+        """Open the connection the first lookup would otherwise wait for."""
+        try:
+            self._loop.run(self._index_client().health(), self.settings.timeout_s)
+        except (KvspError, TimeoutError) as exc:
+            log.warning("index service not reachable yet: %s", exc)
 
     # -- scheduler side ---------------------------------------------------------------------------
 
@@ -325,69 +362,67 @@ class KVSPConnector(KVConnectorBase_V1):
         run.future = self._loop.submit(self._load(run))
 
     async def _load(self, run: _LoadRun) -> None:
-        """Layer range after layer range, every block's range fetched concurrently."""
+        """Every block streamed at once; each layer is handed over as soon as it has arrived and
+        matched its layer digest, so the first layers are ready while the last are in flight.
+        vLLM's thread writes them into its pages (``_place``) while this loop receives more."""
+        jobs = [(plan, i, load) for plan in run.plans for i, load in enumerate(plan.loads)]
         try:
-            layers, chunk = self.geometry.layers, self.settings.layer_chunk
-            for first in range(0, layers, chunk):
-                last = min(first + chunk, layers) - 1
-                jobs = [
-                    (plan, i, load)
-                    for plan in run.plans
-                    for i, load in enumerate(plan.loads)
-                    if run.live(plan, i)
-                ]
-                got = await asyncio.gather(
-                    *(self._fetch(load, (first, last)) for _, _, load in jobs)
-                )
-                for (plan, i, load), container in zip(jobs, got, strict=True):
-                    if container is None:
-                        run.fail(plan, i)
-                    elif run.live(plan, i):
-                        self._write(plan, load, container)
-                for layer in range(first, last + 1):
-                    run.events[layer].set()
+            await asyncio.gather(*(self._load_block(run, *job) for job in jobs))
         except BaseException:
-            for plan in run.plans:
-                run.fail(plan, 0)
+            run.give_up()
             raise
-        finally:
-            for event in run.events:
-                event.set()
 
-    async def _fetch(self, load: BlockLoad, layers: tuple[int, int]) -> Container | None:
-        for record in load.records:
-            try:
-                container = await self._holder_client().get(record, layers)
-            except KvspError as exc:
-                log.warning("block %s from %s not loaded: %s", load.key[:16], record.holder, exc)
-                continue
-            if container.header.token_count == self.block_tokens:
-                return container
-            log.warning(
-                "block %s from %s has %d tokens",
-                load.key[:16],
-                record.holder,
-                container.header.token_count,
-            )
-        return None
-
-    def _write(self, plan: RequestPlan, load: BlockLoad, container: Container) -> None:
+    async def _load_block(
+        self, run: _LoadRun, plan: RequestPlan, index: int, load: BlockLoad
+    ) -> None:
+        """One block into its page, layer range by layer range, from the first holder that
+        serves it intact (a later holder takes over from the first layer not yet in place)."""
         g = self.geometry
         page, offset = plan.page_of(load.first_token, self.page_tokens)
-        for layer in container.layers:
-            k = section_array(layer.k, g.element, g.kv_heads, g.head_dim)
-            v = section_array(layer.v, g.element, g.kv_heads, g.head_dim)
-            self._layers[layer.layer].write(page, offset, k, v)
+        done = 0  # layers 0..done-1 are in place
+        for record in load.records:
+            try:
+                for first, last in fetch_ranges(record, done, self.settings.layer_chunk):
+                    async for layer in self._holder_client().stream(record, (first, last)):
+                        if not run.live(plan, index):
+                            raise _Abandoned
+                        k = section_array(layer.k, g.element, g.kv_heads, g.head_dim)
+                        v = section_array(layer.v, g.element, g.kv_heads, g.head_dim)
+                        if k.shape[0] != self.block_tokens:
+                            raise ContainerError(f"a block of {k.shape[0]} tokens")
+                        run.arrived[layer.layer].append((page, offset, k, v))
+                        run.settled(layer.layer, layer.layer)
+                        done = layer.layer + 1
+                    if done != last + 1:
+                        raise ContainerError(f"layers {first}-{last} did not all come")
+                return
+            except _Abandoned:
+                break
+            except KvspError as exc:
+                log.warning("block %s from %s not loaded: %s", load.key[:16], record.holder, exc)
+        run.fail(plan, index)
+        if done < g.layers:
+            run.settled(done, g.layers - 1)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         run = self._run
         if run is None:
             return
-        if not run.events[self._names[layer_name]].wait(self.settings.timeout_s):
+        layer = self._names[layer_name]
+        if not run.events[layer].wait(self.settings.timeout_s):
             log.error("KV load timed out; the blocks are recomputed")
-            run.cancelled = True
-            for plan in run.plans:
-                run.fail(plan, 0)
+            run.give_up()
+        self._place(run, layer)
+
+    def _place(self, run: _LoadRun, layer: int) -> None:
+        """Write the layer's arrived sections into vLLM's pages (on vLLM's thread, which would
+        otherwise only wait)."""
+        arrived, run.arrived[layer] = run.arrived[layer], []
+        if run.cancelled:
+            return
+        target = self._layers[layer]
+        for page, offset, k, v in arrived:
+            target.write(page, offset, k, v)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         run, self._run = self._run, None
@@ -398,9 +433,9 @@ class KVSPConnector(KVConnectorBase_V1):
                 run.future.result(self.settings.timeout_s)
             except Exception as exc:  # the loads failed as a whole; the blocks are recomputed
                 log.error("KV load failed: %r", exc)
-                run.cancelled = True
-                for plan in run.plans:
-                    run.fail(plan, 0)
+                run.give_up()
+        for layer in range(self.geometry.layers):  # layers no forward waited for
+            self._place(run, layer)
         self.loaded_blocks += sum(run.failed.get(p.request, len(p.loads)) for p in run.plans)
         errors = run.error_pages(self.page_tokens)
         if errors:

@@ -26,6 +26,7 @@ __all__ = [
     "RequestPlan",
     "TrackedRequest",
     "check_block_sizes",
+    "fetch_ranges",
     "matchable_tokens",
 ]
 
@@ -42,6 +43,21 @@ def matchable_tokens(prompt_tokens: int, block_tokens: int) -> int:
     """Prompt tokens whose KV may come from outside: whole blocks, never the last token (its
     logits start the output, so vLLM computes it)."""
     return max(0, prompt_tokens - 1) // block_tokens * block_tokens
+
+
+def fetch_ranges(record: ReplicaRecord, start: int, chunk: int) -> list[tuple[int, int]]:
+    """The layer ranges to GET, from layer ``start`` on: one per run of layers the holder keeps
+    in one tier (a range never mixes a fast tier with a slow one, and the first layers, often
+    in the faster tier, come first), each cut to ``chunk`` layers when ``chunk`` is set."""
+    spans = sorted((r.layers[0], r.layers[1]) for r in record.residency)
+    out: list[tuple[int, int]] = []
+    for first, last in spans:
+        first = max(first, start)
+        while first <= last:
+            end = last if not chunk else min(last, first + chunk - 1)
+            out.append((first, end))
+            first = end + 1
+    return out
 
 
 @dataclass(frozen=True, slots=True)

