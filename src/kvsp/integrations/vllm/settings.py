@@ -99,7 +99,12 @@ class ConnectorSettings:
         tenants = Tenants.load(Path(tenants_file).expanduser())
         tenant = _text(extra, "tenant")
         if tenant is not None:
-            tenants.get(tenant)  # a configured default that does not exist is a mistake
+            try:
+                tenants.get(tenant)
+            except NotFound:
+                raise ConfigurationError(
+                    f"KVSPConnector tenant {tenant!r} is not in {tenants_file}"
+                ) from None
         request_tenants = extra.get("request_tenants", False)
         if not isinstance(request_tenants, bool):
             raise ConfigurationError("KVSPConnector setting 'request_tenants' must be a boolean")
