@@ -53,6 +53,7 @@ from kvsp.core.problems import (
     IllegalTransition,
     InvalidInput,
     KvspError,
+    MethodNotAllowed,
     NotFound,
     ServiceUnavailable,
 )
@@ -205,6 +206,10 @@ class _Session:
 
 
 class InstanceService:
+    #: whether the engine can hold sequence-sharded caches (KVSP 6.9): it needs the KV of any
+    #: token range, which the reference engine has and vLLM's does not expose
+    sharded_caches = True
+
     def __init__(self, config: InstanceConfig, files: ModelFiles | None = None) -> None:
         self.config = config
         self.url = canonical_url(config.url)
@@ -770,6 +775,10 @@ class InstanceService:
 
     # -- sequence-sharded caches (6.9) ---------------------------------------------------------
 
+    def _check_shards(self) -> None:
+        if not self.sharded_caches:
+            raise MethodNotAllowed("this instance's engine does not hold sequence-sharded caches")
+
     async def load_shard(
         self,
         principal: Principal,
@@ -780,6 +789,7 @@ class InstanceService:
     ) -> None:
         """Compute the KV of a context and hold the given token ranges of it, at ``version``."""
         authorize(principal, Role.CONTROLLER)
+        self._check_shards()
         if any(not 0 <= a < b <= len(tokens) for a, b in ranges):
             raise NotFound("a range lies outside the context")
 
@@ -795,6 +805,7 @@ class InstanceService:
         """A plan (answered once every fetch range is loaded and verified), a commit, or an
         abort."""
         authorize(principal, Role.CONTROLLER)
+        self._check_shards()
         if "commit" in message:
             commit = ReshardCommit.parse(message)
             self.shards.commit(commit.map, commit.commit)

@@ -175,6 +175,12 @@ class KVSPConnector(KVConnectorBase_V1):
                 f"vLLM runs layers, KV heads, head dim, dtype {found}; the kvsp descriptor "
                 f"says {(d.layers, d.kv_heads, d.head_dim, d.kv_dtype)}: not the same cache"
             )
+        overlap = self.settings.overlap
+        #: compute a layer while later ones arrive: on an accelerator, not on the CPU cores the
+        #: fetch needs (decision 0013)
+        self.overlap = (
+            overlap if overlap is not None else vllm_config.device_config.device_type != "cpu"
+        )
         self.compat = d.compat_id()
         self.compat_hex = self.compat.hex()
         self.geometry = d.geometry
@@ -360,6 +366,8 @@ class KVSPConnector(KVConnectorBase_V1):
         run = _LoadRun(plans, self.geometry.layers)
         self._run = run
         run.future = self._loop.submit(self._load(run))
+        if not self.overlap:
+            self._settle(run)
 
     async def _load(self, run: _LoadRun) -> None:
         """Every block streamed at once; each layer is handed over as soon as it has arrived and
@@ -424,16 +432,20 @@ class KVSPConnector(KVConnectorBase_V1):
         for page, offset, k, v in arrived:
             target.write(page, offset, k, v)
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        run, self._run = self._run, None
-        if run is None:
-            return set()
+    def _settle(self, run: _LoadRun) -> None:
+        """Wait until every load of the step has ended (placed or failed)."""
         if run.future is not None:
             try:
                 run.future.result(self.settings.timeout_s)
             except Exception as exc:  # the loads failed as a whole; the blocks are recomputed
                 log.error("KV load failed: %r", exc)
                 run.give_up()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        run, self._run = self._run, None
+        if run is None:
+            return set()
+        self._settle(run)
         for layer in range(self.geometry.layers):  # layers no forward waited for
             self._place(run, layer)
         self.loaded_blocks += sum(run.failed.get(p.request, len(p.loads)) for p in run.plans)

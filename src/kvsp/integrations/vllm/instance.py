@@ -36,8 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvsp.auth import Principal
-from kvsp.core.problems import MethodNotAllowed, NotFound, ServiceUnavailable
+from kvsp.core.problems import NotFound, ServiceUnavailable
 from kvsp.core.records import Sampler
 from kvsp.holder.store import TierData
 from kvsp.instance.model import ModelFiles
@@ -175,6 +174,8 @@ def _sampling(session: _Session, remaining: int, kvsp: dict[str, Any]) -> Sampli
 
 
 class VllmInstanceService(InstanceService):
+    sharded_caches = False
+
     def __init__(
         self, config: InstanceConfig, options: VllmOptions, files: ModelFiles | None = None
     ) -> None:
@@ -350,18 +351,3 @@ class VllmInstanceService(InstanceService):
             parent = (self.compat_id, scope, keys[i - 1]) if i else None
             self.kv.completed(session.session, (self.compat_id, scope, keys[i]), parent)
         progress.announced = len(keys)
-
-    # -- what vLLM cannot do -------------------------------------------------------------------
-
-    async def load_shard(
-        self,
-        principal: Principal,
-        map_id: str,
-        version: int,
-        tokens: Sequence[int],
-        ranges: Sequence[tuple[int, int]],
-    ) -> None:
-        raise MethodNotAllowed("the vLLM engine does not hold sequence-sharded caches")
-
-    async def reshard(self, principal: Principal, message: dict[str, Any]) -> None:
-        raise MethodNotAllowed("the vLLM engine does not hold sequence-sharded caches")
