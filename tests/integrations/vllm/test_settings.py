@@ -31,7 +31,6 @@ def test_settings_read_with_defaults(extra: dict[str, Any], model_files: ModelFi
     assert s.copy_urls == ()
     assert s.token is None
     assert s.layer_chunk == 0
-    assert s.overlap is None
     assert s.descriptor.compat_id() == model_files.compat_id
     # the model folder is found around vLLM's safetensors folder when not given
     del extra["model_dir"]
@@ -60,7 +59,6 @@ def test_no_tenant_means_no_kvsp_and_request_tenants_only_when_trusted(
         ({"index_url": None}, "'index_url' must be a non-empty string"),
         ({"tenant": "nobody"}, "tenant 'nobody' is not in"),
         ({"request_tenants": "yes"}, "must be a boolean"),
-        ({"overlap": 1}, "'overlap' must be a boolean"),
         ({"layer_chunk": -1}, "'layer_chunk' must be an integer"),
         ({"copy_urls": "http://x/"}, "must be a list of URLs"),
         ({"timeout_s": 0}, "positive number"),

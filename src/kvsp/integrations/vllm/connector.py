@@ -175,12 +175,6 @@ class KVSPConnector(KVConnectorBase_V1):
                 f"vLLM runs layers, KV heads, head dim, dtype {found}; the kvsp descriptor "
                 f"says {(d.layers, d.kv_heads, d.head_dim, d.kv_dtype)}: not the same cache"
             )
-        overlap = self.settings.overlap
-        #: compute a layer while later ones arrive: on an accelerator, not on the CPU cores the
-        #: fetch needs (decision 0013)
-        self.overlap = (
-            overlap if overlap is not None else vllm_config.device_config.device_type != "cpu"
-        )
         self.compat = d.compat_id()
         self.compat_hex = self.compat.hex()
         self.geometry = d.geometry
@@ -366,8 +360,6 @@ class KVSPConnector(KVConnectorBase_V1):
         run = _LoadRun(plans, self.geometry.layers)
         self._run = run
         run.future = self._loop.submit(self._load(run))
-        if not self.overlap:
-            self._settle(run)
 
     async def _load(self, run: _LoadRun) -> None:
         """Every block streamed at once; each layer is handed over as soon as it has arrived and

@@ -45,7 +45,6 @@ _KEYS = frozenset(
         "model_dir",
         "block_tokens",
         "layer_chunk",
-        "overlap",
         "timeout_s",
     }
 )
@@ -83,9 +82,6 @@ class ConnectorSettings:
     #: most layers per GET (0: a GET per run of layers the holder keeps in one tier); every
     #: GET is streamed and each layer written as it arrives either way
     layer_chunk: int
-    #: compute layers while later ones arrive (None: only when vLLM computes on an accelerator;
-    #: on the CPU the fetch and vLLM's threads would share the cores)
-    overlap: bool | None
     timeout_s: float
 
     @property
@@ -112,9 +108,6 @@ class ConnectorSettings:
         request_tenants = extra.get("request_tenants", False)
         if not isinstance(request_tenants, bool):
             raise ConfigurationError("KVSPConnector setting 'request_tenants' must be a boolean")
-        overlap = extra.get("overlap")
-        if overlap is not None and not isinstance(overlap, bool):
-            raise ConfigurationError("KVSPConnector setting 'overlap' must be a boolean")
         model_dir = _text(extra, "model_dir")
         if model_dir is None:
             if vllm_model is None:
@@ -138,7 +131,6 @@ class ConnectorSettings:
             request_tenants=request_tenants,
             files=from_folder(folder, _int(extra, "block_tokens", 16, 1, 1 << 16)),
             layer_chunk=_int(extra, "layer_chunk", 0, 0, 1 << 16),
-            overlap=overlap,
             timeout_s=float(timeout),
         )
 
