@@ -7,7 +7,7 @@ a vLLM process of its own. Prints one JSON line.
 - ``example_hit``: vLLM's ExampleConnector loading the files that another process wrote to a
   shared folder (local disk), the reference for a connector that moves bytes and checks nothing.
 
-Each process first runs a short warm-up prompt, then ``PROMPTS`` distinct prompts; the figure
+Each process first runs a short warm-up prompt, then five distinct prompts; the figure
 is the median. Targets: kvsp_hit / no_cache <= 0.2, and kvsp_hit / example_hit <= 1.0.
 The hit cases give the no-cache case's first tokens (checked).
 """
@@ -31,7 +31,7 @@ from tests.servers import Service, free_port, running
 from kvsp.instance.model import install
 
 PROMPT_TOKENS = 2048
-PROMPTS = 3
+PROMPTS = 5
 
 
 def vllm(spec: dict[str, Any], where: Path, name: str) -> list[dict[str, Any]]:

@@ -3,7 +3,8 @@
 
 - a second vLLM process gets its prefix from KVSP (cached tokens reported, output equal), and a
   tenant never hits another tenant's blocks;
-- vLLM reuses blocks the reference instance wrote, and gives the reference's greedy tokens;
+- vLLM reuses blocks the reference instance wrote and the reference reuses vLLM's, with the
+  same greedy tokens;
 - a block served corrupted is detected, recomputed, and the output is still correct;
 - the controller routes a session to a vLLM instance and, after a SIGKILL, resumes it on another
   vLLM instance, every token index once, equal to the reference.
@@ -122,16 +123,23 @@ async def test_a_second_vllm_process_gets_its_prefix_from_kvsp_for_its_tenant_on
     assert all(a["tokens"] == first["tokens"] for a in answers)
 
 
-async def test_vllm_reuses_blocks_of_the_reference_instance(
+async def test_vllm_and_the_reference_instance_reuse_each_others_blocks(
     cluster: Cluster, model_files: ModelFiles, engine: Engine
 ) -> None:
     prompt = (PROMPT * 4)[:150]
+    later = (PROMPT * 5)[10:200]
     with running(instance := cluster.instance()):
         reference = await generate(instance.base_url, prompt, 16)
-    assert reference["tokens"] == greedy(engine, prompt, 16)
-    (answer,) = await offline(cluster, model_files, [prompt])
-    assert answer["cached_tokens"] == 144
-    assert answer["tokens"] == reference["tokens"]
+        assert reference["tokens"] == greedy(engine, prompt, 16)
+        # vLLM loads what the reference wrote, and stores a prompt of its own
+        answer, stored = await offline(cluster, model_files, [prompt, later])
+        assert answer["cached_tokens"] == 144
+        assert answer["tokens"] == reference["tokens"]
+        assert stored["cached_tokens"] == 0
+        # the reference instance loads what vLLM wrote
+        again = await generate(instance.base_url, later, 16)
+    assert again["summary"]["cached"] == {"remote": 176}
+    assert again["tokens"] == stored["tokens"] == greedy(engine, later, 16)
 
 
 def _corrupting_holder(blocks: dict[str, Container], bad: str) -> Starlette:
