@@ -4,10 +4,12 @@ vLLM runs one connector object per role. The **scheduler** side decides: it cuts
 into Block Keys with its tenant's scope key, asks the Index Service how many of the blocks after
 vLLM's own prefix-cache hit are held somewhere (``get_num_new_matched_tokens``), and, each step,
 hands the worker the blocks to load into the pages vLLM allocated and the blocks whose tokens
-the step completes. The **worker** side moves octets: it fetches blocks layer range by layer
-range from their holders (every layer digest and ``Repr-Digest`` verified by ``HolderClient``),
-writes each range into vLLM's paged cache as soon as it has arrived, so
-``wait_for_layer_load(layer)`` returns while later layers are still in flight, and copies the
+the step completes. The **worker** side moves octets: it streams every block of the step at
+once from its holders, a layer range per run of layers a holder keeps in one tier (each layer
+checked against its layer digest as it completes, ``Repr-Digest`` and the replica digest at the
+end, by ``HolderClient``); vLLM's thread writes each verified layer into its paged cache in
+``wait_for_layer_load(layer)``, which returns as soon as that layer is in place for every block
+while later layers are still in flight; and it copies the
 blocks a step completed out of the cache (kvsp-layout-1), PUTs them to a holder (which publishes
 them to the IS) in the background. A block that cannot be fetched or fails verification is never
 written: it and every later block of that request are reported through
