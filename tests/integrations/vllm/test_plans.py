@@ -6,7 +6,7 @@ import pytest
 
 from kvsp.core.ids import parse_compat_id
 from kvsp.core.keys import block_keys
-from kvsp.core.problems import ConfigurationError
+from kvsp.core.problems import ConfigurationError, InvalidInput
 from kvsp.core.records import ReplicaRecord
 from kvsp.integrations.vllm.plans import (
     BlockLoad,
@@ -71,6 +71,13 @@ def test_a_resumed_prefix_keeps_its_given_keys_and_is_never_saved() -> None:
     assert t.keys(placeholders) == expected_keys(TOKENS)  # chained on the last given key
     _, saves = t.step(placeholders, 100)
     assert [x.first_token for x in saves] == [32, 48, 64, 80]
+
+
+def test_malformed_prefix_keys_are_refused() -> None:
+    with pytest.raises(InvalidInput):
+        tracked(("zz" * 32,))
+    with pytest.raises(InvalidInput):
+        tracked((expected_keys(TOKENS)[0], "ab"))
 
 
 def test_a_failed_load_counts_only_what_precedes_it_and_saves_the_rest_again() -> None:

@@ -40,7 +40,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvsp.core.container import Container, section_array
-from kvsp.core.problems import AlreadyStored, ConfigurationError, ContainerError, KvspError
+from kvsp.core.problems import (
+    AlreadyStored,
+    ConfigurationError,
+    ContainerError,
+    InvalidInput,
+    KvspError,
+)
 from kvsp.core.records import LookupRequest, ReplicaRecord
 from kvsp.holder.client import HolderClient
 from kvsp.index.client import IndexClient
@@ -235,9 +241,13 @@ class KVSPConnector(KVConnectorBase_V1):
             keys = kvsp.get("prefix_keys", ())
             if isinstance(keys, list | tuple) and all(isinstance(k, str) for k in keys):
                 given = tuple(keys)
-        tracked = TrackedRequest.start(
-            tenant.scope_key, tenant.scope_id, self.compat, self.block_tokens, given
-        )
+        try:
+            tracked = TrackedRequest.start(
+                tenant.scope_key, tenant.scope_id, self.compat, self.block_tokens, given
+            )
+        except InvalidInput as exc:  # a malformed prefix key: this request gets no KVSP
+            log.warning("request %s: %s", request.request_id, exc)
+            return None
         self._tracked[request.request_id] = tracked
         self._requests[request.request_id] = request
         return tracked

@@ -122,7 +122,9 @@ class TrackedRequest:
         block_tokens: int,
         given: Sequence[str] = (),
     ) -> TrackedRequest:
-        parent = parse_block_key(given[-1]) if given else None
+        checked = [parse_block_key(key) for key in given]  # InvalidInput for a malformed one
+        given = [key.hex() for key in checked]
+        parent = checked[-1] if checked else None
         chain = (
             BlockKeyChain(scope_key, compat_id, block_tokens, parent)
             if parent is not None
