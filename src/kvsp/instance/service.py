@@ -89,7 +89,7 @@ from kvsp.instance.shards import HeldRange, ShardHoldings
 from kvsp.tasks import cancel_all
 from kvsp.web.client import JsonClient
 
-__all__ = ["InstanceConfig", "InstanceService", "TokenEvent"]
+__all__ = ["InstanceConfig", "InstanceService", "Session", "TokenEvent"]
 
 log = logging.getLogger("kvsp.instance")
 _UNKNOWN = -1  # the id of a prompt token whose KV was imported from a block
@@ -150,7 +150,9 @@ class _ControllerClient(JsonClient):
 
 
 @dataclass
-class _Session:
+class Session:
+    """One session's request on this instance: its keys, tokens, reuse and state."""
+
     session: str
     tenant: Tenant
     epoch: int
@@ -253,7 +255,7 @@ class InstanceService:
             if config.controller_url is None
             else _ControllerClient(config.controller_url, config.token)
         )
-        self.sessions: OrderedDict[str, _Session] = OrderedDict()
+        self.sessions: OrderedDict[str, Session] = OrderedDict()
         self.prefetcher = Prefetcher(
             self.holder, self.peers, self.index, self._fetch, self.placement
         )
@@ -366,16 +368,16 @@ class InstanceService:
 
     # -- blocks --------------------------------------------------------------------------------
 
-    def _use(self, session: _Session, block: BlockId) -> None:
+    def _use(self, session: Session, block: BlockId) -> None:
         """``session`` uses ``block`` until it ends (called on the store's thread)."""
         self.in_use.acquire([block])
         session.uses.append(block)
 
-    async def _release(self, session: _Session) -> None:
+    async def _release(self, session: Session) -> None:
         uses, session.uses = session.uses, []
         await self.holder.call(lambda: self.in_use.release(uses))
 
-    async def _hold(self, session: _Session, key: str, body: bytes) -> None:
+    async def _hold(self, session: Session, key: str, body: bytes) -> None:
         """Hold a block in the pool, used by ``session``; with no room left (every block in
         use) it is not held, which only costs a later recompute."""
         block = (self.compat_id, session.tenant.scope_id, key)
@@ -388,7 +390,7 @@ class InstanceService:
         except KvspError as exc:
             log.warning("block %s not held: %s", key[:16], exc.detail)
 
-    async def _store(self, session: _Session, index: int, body: bytes) -> None:
+    async def _store(self, session: Session, index: int, body: bytes) -> None:
         """Hold a completed block here and copy it to the offload holder."""
         key = session.key_of(index)
         if key is None:
@@ -423,7 +425,7 @@ class InstanceService:
         self.kv.transfer(block, holder, self.url, container.size)
         return container
 
-    async def _load(self, session: _Session, keys: Sequence[str]) -> list[Container]:
+    async def _load(self, session: Session, keys: Sequence[str]) -> list[Container]:
         """The longest prefix of ``keys`` held here (G1, G2) or, through the IS, elsewhere;
         the session uses every block loaded, and counts where its tokens came from."""
         scope = session.tenant.scope_id
@@ -452,7 +454,7 @@ class InstanceService:
         self.kv.reused(session.session, [(self.compat_id, scope, k) for k in keys[: len(out)]])
         return out
 
-    async def _load_remote(self, session: _Session, rest: Sequence[str]) -> list[Container]:
+    async def _load_remote(self, session: Session, rest: Sequence[str]) -> list[Container]:
         """The longest prefix of ``rest`` found through the IS, verified and then held here."""
         assert self.index is not None
         scope = session.tenant.scope_id
@@ -489,7 +491,7 @@ class InstanceService:
 
     # -- generation ----------------------------------------------------------------------------
 
-    def _admit(self, session: _Session) -> None:
+    def _admit(self, session: Session) -> None:
         self.sessions.pop(session.session, None)
         self.sessions[session.session] = session
         finished = [k for k, s in self.sessions.items() if s.done]
@@ -506,7 +508,7 @@ class InstanceService:
         session_id: str | None = None,
         epoch: int = 0,
         kv_hints: KvHints | None = None,
-    ) -> _Session:
+    ) -> Session:
         """Start generating for a prompt; read the tokens with ``stream``. ``kv_hints`` (from
         the controller only) are executed once the request is done."""
         authorize(principal, (Role.CONTROLLER, Role.CLIENT))
@@ -530,7 +532,7 @@ class InstanceService:
         )
         tail = tuple(tokens[cut * b :])
         chain.extend(list(tail))
-        session = _Session(
+        session = Session(
             session_id or str(uuid.uuid4()),
             tenant,
             epoch,
@@ -544,7 +546,7 @@ class InstanceService:
         await self._begin(session, tokens)
         return session
 
-    async def _begin(self, session: _Session, tokens: Sequence[int]) -> None:
+    async def _begin(self, session: Session, tokens: Sequence[int]) -> None:
         """Load the longest prefix held anywhere, then compute the rest in the background."""
         b = self.block_tokens
         try:
@@ -563,7 +565,7 @@ class InstanceService:
 
     async def resume(
         self, principal: Principal, checkpoint: SessionCheckpoint, max_tokens: int | None
-    ) -> _Session:
+    ) -> Session:
         """Continue a session another instance served, from its latest checkpoint (6.8)."""
         authorize(principal, Role.CONTROLLER)
         tenant = next((t for t in self.config.tenants if t.scope_id == checkpoint.scope_id), None)
@@ -579,7 +581,7 @@ class InstanceService:
         )
         known = list(checkpoint.prompt_tail) + list(checkpoint.generated)
         chain.extend(known)
-        session = _Session(
+        session = Session(
             checkpoint.session,
             tenant,
             checkpoint.epoch,
@@ -595,7 +597,7 @@ class InstanceService:
         await self._begin_resume(session, known)
         return session
 
-    async def _begin_resume(self, session: _Session, known: Sequence[int]) -> None:
+    async def _begin_resume(self, session: Session, known: Sequence[int]) -> None:
         """Load the checkpoint's blocks (and later ones held anywhere), recompute the rest
         (``known``: the prompt tail and the tokens generated so far) and continue."""
         b = self.block_tokens
@@ -618,7 +620,7 @@ class InstanceService:
         self._spawn(self._run(session, state, rest, len(session.generated)))
 
     async def _run(
-        self, session: _Session, state: KvState, rest: list[int], first_step: int
+        self, session: Session, state: KvState, rest: list[int], first_step: int
     ) -> None:
         loop = asyncio.get_running_loop()
         engine = self.engine
@@ -653,7 +655,7 @@ class InstanceService:
             session.error = repr(exc)
         await self._finish(session)
 
-    async def _finish(self, session: _Session) -> None:
+    async def _finish(self, session: Session) -> None:
         """The request is over: its blocks stored, released, its hints run, a last checkpoint."""
         await asyncio.sleep(0)  # let the last events land
         await asyncio.gather(*session.stores, return_exceptions=True)
@@ -666,7 +668,7 @@ class InstanceService:
         await self._checkpoint(session, final=True)
         session.notify()
 
-    def _on_event(self, session: _Session, kind: str, value: Any) -> None:
+    def _on_event(self, session: Session, kind: str, value: Any) -> None:
         if kind == "block":
             index, body = value
             key, parent = session.key_of(index), session.key_of(index - 1) if index else None
@@ -693,7 +695,7 @@ class InstanceService:
             self._spawn(self._checkpoint(session))
         session.notify()
 
-    async def _checkpoint(self, session: _Session, final: bool = False) -> None:
+    async def _checkpoint(self, session: Session, final: bool = False) -> None:
         if self.controller is None:
             session.released = len(session.generated)
             return

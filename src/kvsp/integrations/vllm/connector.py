@@ -199,8 +199,6 @@ class KVSPConnector(KVConnectorBase_V1):
         self._staged: dict[tuple[str, str, str], dict[int, tuple[Any, Any]]] = {}
         self._saves: set[Future[None]] = set()
         self._save_lock = threading.Lock()
-        self.saved_blocks = 0
-        self.loaded_blocks = 0
         if role == KVConnectorRole.SCHEDULER:
             self._warm()
 
@@ -452,7 +450,6 @@ class KVSPConnector(KVConnectorBase_V1):
         self._settle(run)
         for layer in range(self.geometry.layers):  # layers no forward waited for
             self._place(run, layer)
-        self.loaded_blocks += sum(run.failed.get(p.request, len(p.loads)) for p in run.plans)
         errors = run.error_pages(self.page_tokens)
         if errors:
             log.warning("%d vLLM blocks failed to load; vLLM recomputes them", len(errors))
@@ -496,23 +493,19 @@ class KVSPConnector(KVConnectorBase_V1):
         """Store the block at the holder and at every copy holder."""
         s = self.settings
         assert s.holder_url is not None
-        stored = await asyncio.gather(
+        await asyncio.gather(
             *(self._put_one(url, block, container) for url in (s.holder_url, *s.copy_urls))
         )
-        if stored[0]:
-            self.saved_blocks += 1
 
     async def _put_one(
         self, holder: str, block: tuple[str, str, str], container: Container
-    ) -> bool:
+    ) -> None:
         try:
             await self._holder_client().put(holder, block, container)
         except AlreadyStored:
-            return False
+            return
         except KvspError as exc:
             log.warning("block %s not saved at %s: %s", block[2][:16], holder, exc)
-            return False
-        return True
 
     def _saved(self, future: Future[None]) -> None:
         with self._save_lock:

@@ -40,7 +40,7 @@ from kvsp.core.problems import NotFound, ServiceUnavailable
 from kvsp.core.records import Sampler
 from kvsp.holder.store import TierData
 from kvsp.instance.model import ModelFiles
-from kvsp.instance.service import InstanceConfig, InstanceService, _Session
+from kvsp.instance.service import InstanceConfig, InstanceService, Session
 from kvsp.integrations.vllm.engine import vllm_environment
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ class _Progress:
     announced: int = 0
 
 
-def _sampling(session: _Session, remaining: int, kvsp: dict[str, Any]) -> SamplingParams:
+def _sampling(session: Session, remaining: int, kvsp: dict[str, Any]) -> SamplingParams:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -241,14 +241,14 @@ class VllmInstanceService(InstanceService):
 
     # -- generation ----------------------------------------------------------------------------
 
-    async def _begin(self, session: _Session, tokens: Sequence[int]) -> None:
+    async def _begin(self, session: Session, tokens: Sequence[int]) -> None:
         self._admit(session)
         kvsp = {"tenant": session.tenant.name}
         params = _sampling(session, session.max_tokens, kvsp)
         salt = session.tenant.scope_id
         self._spawn(self._generate(session, list(tokens), params, salt, 0))
 
-    async def _begin_resume(self, session: _Session, known: Sequence[int]) -> None:
+    async def _begin_resume(self, session: Session, known: Sequence[int]) -> None:
         b = self.block_tokens
         prefix = session.prompt_blocks
         try:  # verified copies here first, so vLLM's loads cannot fail over the network
@@ -274,7 +274,7 @@ class VllmInstanceService(InstanceService):
 
     async def _generate(
         self,
-        session: _Session,
+        session: Session,
         prompt: list[int],
         params: SamplingParams,
         salt: str,
@@ -308,7 +308,7 @@ class VllmInstanceService(InstanceService):
         await self._finish(session)
 
     def _on_output(
-        self, session: _Session, progress: _Progress, output: RequestOutput | BaseException
+        self, session: Session, progress: _Progress, output: RequestOutput | BaseException
     ) -> None:
         if progress.finished.done():
             return
@@ -343,7 +343,7 @@ class VllmInstanceService(InstanceService):
             session.cached = {where: n for where, n in cached.items() if n > 0}
             progress.finished.set_result(None)
 
-    def _announce(self, session: _Session, progress: _Progress) -> None:
+    def _announce(self, session: Session, progress: _Progress) -> None:
         """Tell the session index about the session's blocks as their tokens complete."""
         scope = session.tenant.scope_id
         keys = list(session.prompt_blocks) + [k.hex() for k in session.chain.keys]
