@@ -511,13 +511,13 @@ class KVSPConnector(KVConnectorBase_V1):
         with self._save_lock:
             self._saves.discard(future)
 
-    def flush(self, timeout_s: float | None = None) -> None:
+    def flush(self) -> None:
         """Wait for the saves in flight (a process about to exit keeps its last blocks)."""
         with self._save_lock:
             pending = list(self._saves)
         for future in pending:
             try:
-                future.result(timeout_s if timeout_s is not None else self.settings.timeout_s)
+                future.result(self.settings.timeout_s)
             except Exception as exc:  # a save that failed was logged; nothing else to do
                 log.debug("save ended with %r", exc)
 

@@ -78,10 +78,6 @@ class _Driver:
         self._thread = threading.Thread(target=self._loop, name="kvsp-vllm", daemon=True)
         self._thread.start()
 
-    @property
-    def pending(self) -> int:
-        return len(self._handlers)
-
     def add(self, request: str, prompt: Any, params: SamplingParams, handler: Handler) -> None:
         def job() -> None:
             self._handlers[request] = handler
