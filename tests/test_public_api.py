@@ -30,7 +30,6 @@ FORBIDDEN_IN_CORE = {
     "redis",
     "torch",
     "socket",
-    "aiohttp",
 }
 
 

@@ -72,6 +72,14 @@ async def test_verified_get_stream_and_layer_ranges(env: Env) -> None:
     layers = [layer async for layer in c2.stream(record, (2, 3))]
     assert [layer.layer for layer in layers] == [2, 3]
     assert bytes(layers[0].k) == bytes(container(1).layers[2].k)
+    mine = bytearray(record.size)  # octets land in the caller's buffer when it can hold them
+    layers = [layer async for layer in c2.stream(record, None, memoryview(mine))]
+    assert all(layer.k.obj is mine for layer in layers)
+    assert bytes(mine) == container(1).tobytes()
+    small = bytearray(10)
+    layers = [layer async for layer in c2.stream(record, None, memoryview(small))]
+    assert len(layers) == record.layer_count
+    assert layers[0].k.obj is not small
     with pytest.raises(LayersUnavailable):
         await c2.get(record, (2, 4))
     response = await env.http.get(

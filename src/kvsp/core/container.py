@@ -434,12 +434,14 @@ class Container:
 
 
 class ContainerParser:
-    """Incremental parser: feed chunks of any size, get each layer once its octets are in.
+    """Incremental parser: get each layer once its octets are in.
 
-    The buffer for the whole container is allocated once, when the header has arrived and its
-    announced size is within ``max_octets``; layers returned by ``feed`` view that buffer.
-    With ``expected_digests`` (the record's layer digests, indexed by layer number) each layer
-    is verified as it completes, before it is returned.
+    Either ``feed`` it chunks of any size (the buffer for the whole container is allocated
+    once, when the header has arrived and its announced size is within ``max_octets``), or let
+    the octets land in a buffer of the caller's and tell it how far that is filled with
+    ``received`` (no copy at all). Returned layers view the buffer. With ``expected_digests``
+    (the record's layer digests, indexed by layer number) each layer is verified as it
+    completes, before it is returned. One parser takes one of the two ways, not both.
     """
 
     __slots__ = (
@@ -494,14 +496,35 @@ class ContainerParser:
                 self._head = bytearray(data)
             return []
         header.check(self._geometry)
-        self._start(header)
+        self._buffer = bytearray(header.total_octets)
+        self._start(header, memoryview(self._buffer))
         self._head = bytearray()
         return self._take(header, pending)
 
-    def _start(self, header: ContainerHeader) -> None:
+    def received(self, buffer: memoryview, filled: int) -> list[LayerSections]:
+        """The first ``filled`` octets of the container are in ``buffer`` (the same buffer at
+        every call; it must be able to hold the whole container)."""
+        header = self.header
+        if header is None:
+            header = _read_header(buffer[:filled], self._max)
+            if header is None:
+                return []
+            header.check(self._geometry)
+            if header.total_octets > len(buffer):
+                raise ContainerLengthError(
+                    f"container announces {header.total_octets} octets; {len(buffer)} arrive"
+                )
+            self._start(header, buffer[: header.total_octets])
+        if filled > header.total_octets:
+            raise ContainerTrailingDataError(
+                f"{filled - header.total_octets} octets after the last section"
+            )
+        self._filled = filled
+        return self._emit(header)
+
+    def _start(self, header: ContainerHeader, view: memoryview) -> None:
         self.header = header
-        self._buffer = bytearray(header.total_octets)
-        self._view = memoryview(self._buffer)
+        self._view = view
         pos = header.header_octets
         for k, v in header.lengths:
             pos += k + v
@@ -513,6 +536,10 @@ class ContainerParser:
             raise ContainerTrailingDataError(f"{len(data) - room} octets after the last section")
         self._view[self._filled : self._filled + len(data)] = data
         self._filled += len(data)
+        return self._emit(header)
+
+    def _emit(self, header: ContainerHeader) -> list[LayerSections]:
+        """The layers completed since the last call, each checked."""
         ready = self._emitted
         while ready < len(self._ends) and self._ends[ready] <= self._filled:
             ready += 1

@@ -1,21 +1,23 @@
 """Async client of holders: verified block GETs (whole or streamed layer by layer), PUT, leases.
 
-Verification follows KVSP 6.7 and never hands out octets that failed it: ``Repr-Digest`` is
-checked over every octet received; when the container comes in the replica's codec, each layer
-is checked against the record's layer digests as soon as it has arrived (before ``stream``
-yields it), and a whole block is checked against the replica digest. A mismatch is a
-``DigestError``. ``stream`` can only check ``Repr-Digest`` once the last octet is in, so its
-final step raises if that fails, after the (already layer-verified) layers were handed over.
+Verification follows KVSP 6.7 and never hands out octets that failed it: when the container
+comes in the replica's codec, each layer is checked against the record's layer digests as soon
+as it has arrived (before ``stream`` yields it), ``Repr-Digest`` over every octet once the last
+one is in, and a whole block against the replica digest. A mismatch is a ``DigestError``.
+``stream`` can only check ``Repr-Digest`` at the end, so its final step raises if that fails,
+after the (already layer-verified) layers were handed over.
+
+Block octets are received in place (``kvsp.web.http1``): the response body lands in the buffer
+the container is parsed from, which a caller can also provide and reuse.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-
-import aiohttp
 
 from kvsp.core.container import Container, ContainerParser, LayerSections
 from kvsp.core.digests import verify_repr_digest
@@ -25,26 +27,40 @@ from kvsp.core.registries import BLOCK_MEDIA_TYPE, JSON_MEDIA_TYPE
 from kvsp.core.urls import canonical_url
 from kvsp.holder.blocks import BlockId, block_ref
 from kvsp.web.client import ClosingClient, auth_headers, problem_for
+from kvsp.web.http1 import BodyTooLarge, Http1Client, ProtocolError, Response
 
 __all__ = ["BlockReceiver", "HolderClient"]
 
+#: the most octets of a problem document or JSON answer read from a holder
+_JSON_OCTETS = 1 << 20
+
 
 class BlockReceiver:
-    """Checks one block response as its octets arrive (sans-IO: feed chunks, then finish)."""
+    """Checks one block response whose octets land in ``buffer`` (sans-IO: say how far it is
+    filled, then finish). ``buffer`` is the caller's when it is large enough, else a new one."""
 
     def __init__(
-        self, record: ReplicaRecord, layers: tuple[int, int] | None, repr_digest: str | None
+        self,
+        record: ReplicaRecord,
+        layers: tuple[int, int] | None,
+        repr_digest: str | None,
+        length: int | None,
+        buffer: memoryview | None = None,
     ) -> None:
         self.record = record
         self.layers = layers or (0, record.layer_count - 1)
         self._repr_digest = repr_digest
-        self._sha256 = hashlib.sha256()
+        size = record.size if length is None else length
+        if size > record.size:
+            raise ContainerLengthError(f"{size} octets is above the replica's {record.size}")
+        if buffer is None or len(buffer) < size:
+            buffer = memoryview(bytearray(size))
+        self.buffer = buffer[:size]
         expected = record.layer_digest_octets() or None
         self._parser = ContainerParser(max_octets=record.size, expected_digests=expected)
 
-    def feed(self, chunk: bytes) -> list[LayerSections]:
-        self._sha256.update(chunk)
-        layers = self._parser.feed(chunk)
+    def received(self, filled: int) -> list[LayerSections]:
+        layers = self._parser.received(self.buffer, filled)
         header = self._parser.header
         if header is not None and layers and layers[0].layer == header.first_layer:
             if header.codec != self.record.codec:
@@ -60,7 +76,7 @@ class BlockReceiver:
 
     def finish(self) -> Container:
         container = self._parser.finish()
-        verify_repr_digest(self._repr_digest, self._sha256.digest())
+        verify_repr_digest(self._repr_digest, container.sha256())
         whole = self.layers == (0, self.record.layer_count - 1)
         if whole and container.digest() != self.record.digest_octets:
             raise DigestError("the block does not match the replica digest")
@@ -68,25 +84,17 @@ class BlockReceiver:
 
 
 class HolderClient(ClosingClient):
-    """Talks to any holder (records name their holder's base URL) with one bearer token.
-
-    Block octets travel over aiohttp, whose C parser moves large bodies several times faster
-    than httpx on the same machine (docs/decisions/0007-holder.md); the session is opened on
-    first use, inside the running event loop.
-    """
+    """Talks to any holder (records name their holder's base URL) with one bearer token, over
+    at most ``connections`` kept-alive connections per holder."""
 
     def __init__(
         self, token: str | None = None, timeout_s: float = 30.0, connections: int = 64
     ) -> None:
-        self._headers = auth_headers(token)
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._connections = connections
-        self._session: aiohttp.ClientSession | None = None
+        self._timeout_s = timeout_s
+        self._http = Http1Client(connections, auth_headers(token))
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._http.aclose()
 
     @asynccontextmanager
     async def _request(
@@ -95,69 +103,70 @@ class HolderClient(ClosingClient):
         holder: str,
         path: str,
         *,
-        body: bytes | None = None,
-        headers: dict[str, str] | None = None,
+        body: Sequence[bytes | memoryview] = (),
+        headers: Mapping[str, str] | None = None,
         params: dict[str, str] | None = None,
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
+    ) -> AsyncIterator[Response]:
         """A 2xx response (problem documents are raised as kvsp errors); a holder that cannot
         be reached, or goes away mid-answer, is ``ServiceUnavailable``."""
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                headers=self._headers,
-                timeout=self._timeout,
-                connector=aiohttp.TCPConnector(limit=self._connections),
-            )
         url = canonical_url(holder) + path
+        problem = None
         try:
-            async with self._session.request(
-                method, url, data=body, headers=headers, params=params
+            async with self._http.request(
+                method, url, params=params, headers=headers, body=body, timeout_s=self._timeout_s
             ) as response:
-                if not 200 <= response.status < 300:
-                    raise problem_for(response.status, await response.read(), f"{method} {url}")
-                yield response
-        except (aiohttp.ClientError, TimeoutError) as exc:
+                if 200 <= response.status < 300:
+                    yield response
+                else:  # read whole, so the connection stays usable
+                    content = await response.read(_JSON_OCTETS)
+                    problem = problem_for(response.status, content, f"{method} {url}")
+        except BodyTooLarge as exc:
+            raise ContainerLengthError(f"{method} {url}: {exc}") from None
+        except (OSError, ProtocolError) as exc:
             raise ServiceUnavailable(f"holder {holder} unreachable: {exc!r}") from None
+        if problem is not None:
+            raise problem
 
     @asynccontextmanager
     async def _receiver(
-        self, record: ReplicaRecord, layers: tuple[int, int] | None
-    ) -> AsyncIterator[tuple[aiohttp.ClientResponse, BlockReceiver]]:
+        self,
+        record: ReplicaRecord,
+        layers: tuple[int, int] | None,
+        buffer: memoryview | None = None,
+    ) -> AsyncIterator[tuple[Response, BlockReceiver]]:
         block = (record.compat_id, record.scope_id, record.block_key)
         params = None if layers is None else {"layers": f"{layers[0]}-{layers[1]}"}
         async with self._request("GET", record.holder, block_ref(block), params=params) as r:
-            yield r, BlockReceiver(record, layers, r.headers.get("repr-digest"))
+            digest = r.headers.get("repr-digest")
+            yield r, BlockReceiver(record, layers, digest, r.content_length, buffer)
 
     async def get(self, record: ReplicaRecord, layers: tuple[int, int] | None = None) -> Container:
         """The block (or layers ``a..b``) of ``record`` from its holder, fully verified."""
         async with self._receiver(record, layers) as (response, receiver):
-            async for chunk in response.content.iter_any():
-                receiver.feed(chunk)
-            return receiver.finish()
+            async for filled in response.fill(receiver.buffer):
+                receiver.received(filled)
+            return await asyncio.to_thread(receiver.finish)
 
     async def stream(
-        self, record: ReplicaRecord, layers: tuple[int, int] | None = None
+        self,
+        record: ReplicaRecord,
+        layers: tuple[int, int] | None = None,
+        buffer: memoryview | None = None,
     ) -> AsyncIterator[LayerSections]:
-        """Each layer as soon as it has arrived and matched its layer digest."""
-        async with self._receiver(record, layers) as (response, receiver):
-            async for chunk in response.content.iter_any():
-                for layer in receiver.feed(chunk):
+        """Each layer as soon as it has arrived and matched its layer digest. The octets land
+        in ``buffer`` when it can hold them (the layers view it: the caller reuses it only
+        after it is done with them)."""
+        async with self._receiver(record, layers, buffer) as (response, receiver):
+            async for filled in response.fill(receiver.buffer):
+                for layer in receiver.received(filled):
                     yield layer
-            receiver.finish()
+            await asyncio.to_thread(receiver.finish)
 
     async def get_container(self, base: str, path: str, max_octets: int) -> Container:
         """Any container resource (a token range of a sharded cache, say) with no Replica Record
         to check against: verified with ``Repr-Digest`` only, then parsed."""
         async with self._request("GET", base, path) as response:
-            declared = response.content_length
-            if declared is not None and declared > max_octets:
-                raise ContainerLengthError(f"{declared} octets is above {max_octets}")
-            chunks, received = [], 0
-            async for chunk in response.content.iter_any():
-                received += len(chunk)
-                if received > max_octets:
-                    raise ContainerLengthError(f"answer above {max_octets} octets")
-                chunks.append(chunk)
-            body = b"".join(chunks)
+            body = await response.read(max_octets)
             verify_repr_digest(response.headers.get("repr-digest"), hashlib.sha256(body).digest())
             return Container.parse(body, max_octets=max_octets)
 
@@ -165,20 +174,21 @@ class HolderClient(ClosingClient):
         """Microseconds for a ``GET healthz`` at ``holder``: its round trip, as a link measure."""
         start = time.perf_counter()
         async with self._request("GET", holder, "healthz") as response:
-            await response.read()
+            await response.read(_JSON_OCTETS)
         return (time.perf_counter() - start) * 1e6
 
     async def put(self, holder: str, block: BlockId, container: Container) -> ReplicaRecord:
         """Store a whole block at ``holder``; ``AlreadyStored`` if it holds the key already."""
         headers = {"content-type": BLOCK_MEDIA_TYPE, "if-none-match": "*"}
-        body = container.tobytes()
+        body = container.parts
         async with self._request("PUT", holder, block_ref(block), body=body, headers=headers) as r:
-            return ReplicaRecord.parse(await r.read())
+            return ReplicaRecord.parse(await r.read(_JSON_OCTETS))
 
     async def _json(self, method: str, holder: str, path: str, body: bytes | None = None) -> bytes:
         headers = {"content-type": JSON_MEDIA_TYPE} if body is not None else None
-        async with self._request(method, holder, path, body=body, headers=headers) as r:
-            return await r.read()
+        parts = () if body is None else (body,)
+        async with self._request(method, holder, path, body=parts, headers=headers) as r:
+            return await r.read(_JSON_OCTETS)
 
     async def lease(self, holder: str, request: LeaseRequest) -> LeaseGrant:
         body = request.model_dump_json().encode()

@@ -26,6 +26,8 @@ import asyncio
 import logging
 import re
 import threading
+import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -76,8 +78,11 @@ log = logging.getLogger("kvsp.vllm")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 #: saves in flight at most; past it a completed block is not saved (a later miss, no harm)
 _MAX_PENDING_SAVES = 512
-#: connections to holders: enough for every block of a long prompt to stream at once
-_CONNECTIONS = 32
+#: connections to each holder: enough for the blocks of a long prompt to stream side by side,
+#: so that early layers of every block arrive first
+_CONNECTIONS = 128
+#: receive buffers kept between steps (octets)
+_KEPT_BUFFER_OCTETS = 256 << 20
 
 
 @dataclass
@@ -85,6 +90,34 @@ class KVSPConnectorMetadata(KVConnectorMetadata):
     """What the worker does this step."""
 
     plans: tuple[RequestPlan, ...] = ()
+
+
+class _BufferPool:
+    """Receive buffers reused from step to step: a block lands in memory that is already mapped
+    and touched (a fresh buffer per block costs more than receiving into it). At most
+    ``keep_octets`` are kept."""
+
+    def __init__(self, keep_octets: int) -> None:
+        self._keep = keep_octets
+        self._free: list[memoryview] = []
+        self._lock = threading.Lock()  # taken on the loop thread, given back on vLLM's
+
+    def take(self, octets: int) -> memoryview:
+        with self._lock:
+            while self._free:
+                buffer = self._free.pop()
+                if len(buffer) >= octets:
+                    return buffer
+        return memoryview(bytearray(octets))
+
+    def give(self, buffers: Sequence[memoryview]) -> None:
+        with self._lock:
+            kept = sum(len(b) for b in self._free)
+            for buffer in buffers:
+                if kept + len(buffer) > self._keep:
+                    return
+                self._free.append(buffer)
+                kept += len(buffer)
 
 
 class _Abandoned(Exception):
@@ -105,30 +138,31 @@ def _holders_first(records: Sequence[ReplicaRecord], near: str | None) -> tuple[
 
 @dataclass
 class _LoadRun:
-    """The loads of one step. Per layer: how many blocks still have to put that layer in place
-    (or give up), and an event set when none has; per request, the first block that failed."""
+    """The loads of one step, shared by the connector's loop thread (which receives) and vLLM's
+    thread (which writes into the pages). Per layer: how many blocks have not yet handed that
+    layer over (or given up); the verified sections in order of arrival; an event set at every
+    change; per request, the first block that failed."""
 
     plans: tuple[RequestPlan, ...]
     layers: int
-    events: list[threading.Event] = field(default_factory=list)
     remaining: list[int] = field(default_factory=list)
-    #: per layer, the verified sections waiting to be written: (page, offset, K, V)
-    arrived: list[list[tuple[int, int, Any, Any]]] = field(default_factory=list)
+    #: verified sections waiting to be written: (layer, page, offset, K octets, V octets)
+    arrived: deque[tuple[int, int, int, memoryview, memoryview]] = field(default_factory=deque)
+    news: threading.Event = field(default_factory=threading.Event)
     failed: dict[str, int] = field(default_factory=dict)
+    #: receive buffers taken from the pool, given back once nothing views them
+    buffers: list[memoryview] = field(default_factory=list)
     cancelled: bool = False
     future: Future[None] | None = None
 
     def __post_init__(self) -> None:
-        self.events = [threading.Event() for _ in range(self.layers)]
         self.remaining = [sum(len(p.loads) for p in self.plans)] * self.layers
-        self.arrived = [[] for _ in range(self.layers)]
 
     def settled(self, first: int, last: int) -> None:
-        """One block's layers ``first..last`` are in place, or will never be."""
+        """One block's layers ``first..last`` were handed over, or never will be."""
         for layer in range(first, last + 1):
             self.remaining[layer] -= 1
-            if self.remaining[layer] <= 0:
-                self.events[layer].set()
+        self.news.set()
 
     def fail(self, plan: RequestPlan, index: int) -> None:
         self.failed[plan.request] = min(index, self.failed.get(plan.request, index))
@@ -141,8 +175,7 @@ class _LoadRun:
         self.cancelled = True
         for plan in self.plans:
             self.fail(plan, 0)
-        for event in self.events:
-            event.set()
+        self.news.set()
 
     def error_pages(self, page_tokens: int) -> set[int]:
         """vLLM blocks holding a failed block or any later loaded block of its request."""
@@ -186,6 +219,7 @@ class KVSPConnector(KVConnectorBase_V1):
         self.compat = d.compat_id()
         self.compat_hex = self.compat.hex()
         self.geometry = d.geometry
+        self._section_octets = d.block_tokens * d.kv_heads * d.head_dim * d.geometry.element.size
         self._loop = LoopThread(f"kvsp-{role.name.lower()}")
         self._index: IndexClient | None = None
         self._holders: HolderClient | None = None
@@ -197,6 +231,7 @@ class KVSPConnector(KVConnectorBase_V1):
         self._names: dict[str, int] = {}
         self._run: _LoadRun | None = None
         self._staged: dict[tuple[str, str, str], dict[int, tuple[Any, Any]]] = {}
+        self._buffers = _BufferPool(_KEPT_BUFFER_OCTETS)
         self._saves: set[Future[None]] = set()
         self._save_lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER:
@@ -393,14 +428,15 @@ class KVSPConnector(KVConnectorBase_V1):
         for record in load.records:
             try:
                 for first, last in fetch_ranges(record, done, self.settings.layer_chunk):
-                    async for layer in self._holder_client().stream(record, (first, last)):
+                    buffer = self._buffers.take(record.size)
+                    run.buffers.append(buffer)
+                    stream = self._holder_client().stream(record, (first, last), buffer)
+                    async for layer in stream:
                         if not run.live(plan, index):
                             raise _Abandoned
-                        k = section_array(layer.k, g.element, g.kv_heads, g.head_dim)
-                        v = section_array(layer.v, g.element, g.kv_heads, g.head_dim)
-                        if k.shape[0] != self.block_tokens:
-                            raise ContainerError(f"a block of {k.shape[0]} tokens")
-                        run.arrived[layer.layer].append((page, offset, k, v))
+                        if {len(layer.k), len(layer.v)} != {self._section_octets}:
+                            raise ContainerError(f"layer sections of {len(layer.k)} octets")
+                        run.arrived.append((layer.layer, page, offset, layer.k, layer.v))
                         run.settled(layer.layer, layer.layer)
                         done = layer.layer + 1
                     if done != last + 1:
@@ -415,41 +451,56 @@ class KVSPConnector(KVConnectorBase_V1):
             run.settled(done, g.layers - 1)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        """Return once ``layer`` is in place for every block. Meanwhile vLLM's thread, which
+        would only wait, writes whatever has arrived, for any layer."""
         run = self._run
         if run is None:
             return
         layer = self._names[layer_name]
-        if not run.events[layer].wait(self.settings.timeout_s):
-            log.error("KV load timed out; the blocks are recomputed")
-            run.give_up()
-        self._place(run, layer)
+        deadline = time.monotonic() + self.settings.timeout_s
+        while True:
+            run.news.clear()
+            done = run.remaining[layer] <= 0  # then every section of the layer is in `arrived`
+            self._place(run)
+            if done or run.cancelled:
+                return
+            if not run.news.wait(deadline - time.monotonic()):
+                log.error("KV load timed out; the blocks are recomputed")
+                run.give_up()
 
-    def _place(self, run: _LoadRun, layer: int) -> None:
-        """Write the layer's arrived sections into vLLM's pages (on vLLM's thread, which would
-        otherwise only wait)."""
-        arrived, run.arrived[layer] = run.arrived[layer], []
-        if run.cancelled:
-            return
-        target = self._layers[layer]
-        for page, offset, k, v in arrived:
-            target.write(page, offset, k, v)
+    def _place(self, run: _LoadRun) -> None:
+        """Write the sections that have arrived into vLLM's pages."""
+        g = self.geometry
+        arrived = run.arrived
+        while arrived:
+            layer, page, offset, k, v = arrived.popleft()
+            if not run.cancelled:
+                self._layers[layer].write(
+                    page,
+                    offset,
+                    section_array(k, g.element, g.kv_heads, g.head_dim),
+                    section_array(v, g.element, g.kv_heads, g.head_dim),
+                )
 
-    def _settle(self, run: _LoadRun) -> None:
-        """Wait until every load of the step has ended (placed or failed)."""
+    def _settle(self, run: _LoadRun) -> bool:
+        """Wait until every load of the step has ended (placed or failed); False if they did
+        not end in time (they go on, and their buffers are not reused)."""
         if run.future is not None:
             try:
                 run.future.result(self.settings.timeout_s)
             except Exception as exc:  # the loads failed as a whole; the blocks are recomputed
                 log.error("KV load failed: %r", exc)
                 run.give_up()
+        return run.future is None or run.future.done()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         run, self._run = self._run, None
         if run is None:
             return set()
-        self._settle(run)
-        for layer in range(self.geometry.layers):  # layers no forward waited for
-            self._place(run, layer)
+        ended = self._settle(run)
+        self._place(run)  # layers no forward waited for
+        if ended:
+            self._buffers.give(run.buffers)
         errors = run.error_pages(self.page_tokens)
         if errors:
             log.warning("%d vLLM blocks failed to load; vLLM recomputes them", len(errors))

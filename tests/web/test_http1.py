@@ -1,0 +1,364 @@
+"""The HTTP/1.1 client: head parsing, framing and chunked decoding as pure functions, then the
+client against real servers on loopback sockets (canned answers for the cases a framework would
+never send, uvicorn for the ordinary ones)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+import uvloop
+from hypothesis import given
+from hypothesis import strategies as st
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from kvsp.web.http1 import (
+    BodyTooLarge,
+    ChunkedDecoder,
+    Http1Client,
+    ProtocolError,
+    ResponseHead,
+    parse_head,
+)
+from tests.servers import serving
+
+# -- pure parts ------------------------------------------------------------------------------------
+
+
+def test_parse_head_reads_status_and_joins_repeated_fields() -> None:
+    head = parse_head(b"HTTP/1.1 404 Not Found\r\nContent-Length: 3\r\nVia: a\r\nvia:  b ")
+    assert head.status == 404
+    assert head.minor_version == 1
+    assert head.headers == {"content-length": "3", "via": "a, b"}
+    assert parse_head(b"HTTP/1.0 200").headers == {}
+
+
+@pytest.mark.parametrize(
+    "octets",
+    [
+        b"HTTP/2 200 OK",
+        b"HTTP/1.1 20 OK",
+        b"HTTP/1.1 abc OK",
+        b"HTTP/1.1",
+        b"ICY 200 OK",
+        b"HTTP/1.1 200 OK\r\nno colon here",
+        b"HTTP/1.1 200 OK\r\nA: 1\r\n folded",
+        b"HTTP/1.1 200 OK\r\nName : value",
+    ],
+)
+def test_parse_head_refuses_what_is_not_http_1(octets: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        parse_head(octets)
+
+
+def head(status: int = 200, version: int = 1, **fields: str) -> ResponseHead:
+    return ResponseHead(version, status, {k.replace("_", "-"): v for k, v in fields.items()})
+
+
+def test_framing_follows_rfc_9112() -> None:
+    assert head(content_length="5").framing("GET") == ("length", 5)
+    assert head(content_length="5, 5").framing("GET") == ("length", 5)
+    assert head(content_length="0").framing("GET") == ("none", 0)
+    assert head(content_length="5").framing("HEAD") == ("none", 0)
+    assert head(204).framing("GET") == ("none", 0)
+    assert head(304, content_length="9").framing("GET") == ("none", 0)
+    assert head(transfer_encoding="chunked", content_length="5").framing("GET") == ("chunked", 0)
+    assert head(transfer_encoding="gzip").framing("GET") == ("close", 0)
+    assert head().framing("GET") == ("close", 0)
+    for bad in ("5, 6", "-1", "0x5", "", "1" * 19):
+        with pytest.raises(ProtocolError):
+            head(content_length=bad).framing("GET")
+
+
+def test_keep_alive_defaults_by_version() -> None:
+    assert head().keep_alive()
+    assert not head(connection="close").keep_alive()
+    assert not head(version=0).keep_alive()
+    assert head(version=0, connection="Keep-Alive").keep_alive()
+
+
+def chunked(pieces: list[bytes], extension: bool, trailer: bool) -> bytes:
+    out = b"".join(
+        b"%x%s\r\n%s\r\n" % (len(p), b";name=value" if extension else b"", p) for p in pieces if p
+    )
+    return out + b"0\r\n" + (b"Trailer-Field: x\r\n" if trailer else b"") + b"\r\n"
+
+
+@given(
+    st.lists(st.binary(max_size=300), max_size=8),
+    st.lists(st.integers(1, 64), min_size=1, max_size=20),
+    st.booleans(),
+    st.booleans(),
+)
+def test_chunked_decoding_is_independent_of_how_octets_arrive(
+    pieces: list[bytes], cuts: list[int], extension: bool, trailer: bool
+) -> None:
+    encoded = chunked(pieces, extension, trailer) + b"NEXT"
+    decoder, out, pos, used_total = ChunkedDecoder(), bytearray(), 0, 0
+    for cut in cuts * (len(encoded) // sum(cuts) + 1):
+        if pos >= len(encoded) or decoder.done:
+            break
+        data = memoryview(encoded[pos : pos + cut])
+        parts, used = decoder.feed(data)
+        for part in parts:
+            out += part
+        assert used == len(data) or decoder.done
+        used_total += used
+        pos += cut
+    assert decoder.done
+    assert bytes(out) == b"".join(pieces)
+    assert encoded[used_total:] == b"NEXT"  # what follows the body is left alone
+
+
+@pytest.mark.parametrize(
+    "encoded",
+    [b"zz\r\nab\r\n", b"2\r\nabc\r\n", b"2\nab\r\n", b"1" * 5000, b"-1\r\n", b"\r\n"],
+)
+def test_malformed_chunked_bodies_are_protocol_errors(encoded: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        ChunkedDecoder().feed(memoryview(encoded))
+
+
+# -- against servers -------------------------------------------------------------------------------
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class Canned:
+    """A loopback TCP server that answers with whatever the test writes, counting connections."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.requests: list[bytes] = []
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def request(self, reader: asyncio.StreamReader) -> bytes:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        body = await reader.readexactly(length)
+        self.requests.append(head + body)
+        return head + body
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[str]:
+        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            yield f"http://127.0.0.1:{port}/"
+        finally:
+            server.close()
+            await server.wait_closed()
+
+
+def answers(*responses: bytes, then_close: bool = False) -> Callable[[Canned], Handler]:
+    """A handler that reads a request and writes the next canned response, on every
+    connection, until the connection ends."""
+
+    def make(canned: Canned) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            for response in responses:
+                await canned.request(reader)
+                writer.write(response)
+                await writer.drain()
+            if not then_close:
+                await reader.read()
+
+        return handler
+
+    return make
+
+
+def canned(make: Callable[[Canned], Handler]) -> Canned:
+    server = Canned(lambda r, w: asyncio.sleep(0))
+    server.handler = make(server)
+    return server
+
+
+@pytest.mark.anyio
+async def test_a_sized_body_lands_in_the_callers_buffer_and_the_connection_is_reused() -> None:
+    body = bytes(range(256)) * 40
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    server = canned(answers(answer, answer))
+    async with server.running() as url:
+        client = Http1Client(headers={"authorization": "Bearer t"})
+        for _ in range(2):
+            buffer = memoryview(bytearray(len(body) + 100))
+            async with client.request("GET", url + "blocks", params={"layers": "0-1"}) as r:
+                assert r.status == 200
+                assert r.content_length == len(body)
+                progress = [n async for n in r.fill(buffer)]
+            assert progress == sorted(progress)
+            assert progress[-1] == len(body)
+            assert bytes(buffer[: len(body)]) == body
+        await client.aclose()
+    assert server.connections == 1
+    assert server.requests[0].startswith(b"GET /blocks?layers=0-1 HTTP/1.1\r\n")
+    assert b"authorization: Bearer t\r\n" in server.requests[0]
+
+
+@pytest.mark.anyio
+async def test_chunked_and_interim_answers_and_request_bodies_in_parts() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request = await server.request(reader)
+        assert request.endswith(b"\r\n\r\nheadpart-two")
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\n")
+        writer.write(b"transfer-encoding: chunked\r\n\r\n5;x=y\r\nhello\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"6\r\n world\r\n0\r\nT: 1\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    server = Canned(handler)
+    async with server.running() as url:
+        client = Http1Client()
+        parts = (b"head", memoryview(b"part-two"))
+        async with client.request("PUT", url + "x", body=parts) as response:
+            assert response.status == 201
+            assert response.content_length is None
+            assert await response.read(100) == b"hello world"
+        assert b"content-length: 12\r\n" in server.requests[0]
+        await client.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_body_delimited_by_close_is_read_and_the_connection_not_kept() -> None:
+    answer = b"HTTP/1.0 200 OK\r\n\r\nuntil the end"
+    server = canned(answers(answer, then_close=True))
+    async with server.running() as url:
+        client = Http1Client()
+        for _ in range(2):
+            async with client.request("GET", url) as response:
+                assert await response.read(1000) == b"until the end"
+        await client.aclose()
+    assert server.connections == 2
+
+
+@pytest.mark.anyio
+async def test_a_body_above_the_buffer_or_limit_is_refused_and_the_connection_closed() -> None:
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n0123456789"
+    chunked_answer = (
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\na\r\n0123456789\r\n0\r\n\r\n"
+    )
+    server = canned(answers(answer, chunked_answer))
+    async with server.running() as url:
+        client = Http1Client()
+        with pytest.raises(BodyTooLarge):
+            async with client.request("GET", url) as response:
+                await response.read(9)
+        with pytest.raises(BodyTooLarge):
+            async with client.request("GET", url) as response:
+                [n async for n in response.fill(memoryview(bytearray(4)))]
+        await client.aclose()
+    assert server.connections == 2
+
+
+@pytest.mark.anyio
+async def test_an_idempotent_request_is_sent_again_when_a_kept_connection_was_closed() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        await reader.readuntil(b"\r\n\r\n")  # a connection ends at its next request, unanswered
+
+    server = Canned(handler)
+    async with server.running() as url:
+        client = Http1Client()
+        async with client.request("GET", url) as response:
+            assert await response.read(10) == b"ok"
+        async with client.request("GET", url) as response:  # sent twice, answered once
+            assert await response.read(10) == b"ok"
+        with pytest.raises(ProtocolError):  # not idempotent: never sent twice
+            async with client.request("POST", url, body=[b"{}"]):
+                pass
+        await client.aclose()
+    assert server.connections == 2
+
+
+@pytest.mark.anyio
+async def test_a_silent_peer_times_out_and_a_malformed_answer_is_a_protocol_error() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+
+    server = Canned(silent)
+    async with server.running() as url:
+        client = Http1Client()
+        with pytest.raises(TimeoutError):
+            async with client.request("GET", url, timeout_s=0.2):
+                pass
+        await client.aclose()
+    server = canned(answers(b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n"))
+    async with server.running() as url:
+        client = Http1Client()
+        with pytest.raises(ProtocolError):
+            async with client.request("GET", url):
+                pass
+        await client.aclose()
+    server = canned(answers(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort", then_close=True))
+    async with server.running() as url:
+        client = Http1Client()
+        with pytest.raises(ProtocolError, match=r"mid-answer|connection lost"):
+            async with client.request("GET", url) as response:
+                await response.read(100)
+        await client.aclose()
+
+
+@pytest.mark.anyio
+async def test_no_more_connections_than_the_limit_and_uvicorn_answers_read_whole() -> None:
+    open_now = peak = 0
+
+    async def slow(request: Request) -> Response:
+        nonlocal open_now, peak
+        open_now += 1
+        peak = max(peak, open_now)
+        await asyncio.sleep(0.05)
+        open_now -= 1
+        return Response(b"x" * 100_000)
+
+    async def stream(request: Request) -> StreamingResponse:
+        async def parts() -> AsyncIterator[bytes]:
+            for i in range(5):
+                yield bytes([i]) * 1000
+
+        return StreamingResponse(parts())
+
+    app = Starlette(routes=[Route("/kvsp/slow", slow), Route("/kvsp/stream", stream)])
+    async with serving(app) as base:
+        client = Http1Client(connections=2)
+
+        async def get(path: str) -> bytes:
+            async with client.request("GET", base + path) as response:
+                return await response.read(1 << 20)
+
+        bodies = await asyncio.gather(*(get("slow") for _ in range(6)))
+        assert bodies == [b"x" * 100_000] * 6
+        assert peak <= 2
+        assert await get("stream") == b"".join(bytes([i]) * 1000 for i in range(5))
+        await client.aclose()
+
+
+def test_the_same_answers_under_uvloop() -> None:
+    """kvsp's services run under uvloop (uvicorn picks it), whose transports are its own."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(test_a_sized_body_lands_in_the_callers_buffer_and_the_connection_is_reused())
+        runner.run(test_chunked_and_interim_answers_and_request_bodies_in_parts())
+        runner.run(test_an_idempotent_request_is_sent_again_when_a_kept_connection_was_closed())
+        runner.run(test_a_body_above_the_buffer_or_limit_is_refused_and_the_connection_closed())
