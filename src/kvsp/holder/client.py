@@ -37,7 +37,8 @@ _JSON_OCTETS = 1 << 20
 
 class BlockReceiver:
     """Checks one block response whose octets land in ``buffer`` (sans-IO: say how far it is
-    filled, then finish). ``buffer`` is the caller's when it is large enough, else a new one."""
+    filled, as often as wanted, then finish). ``buffer`` is the caller's when it is large
+    enough, else a new one."""
 
     def __init__(
         self,
@@ -60,6 +61,7 @@ class BlockReceiver:
         self._parser = ContainerParser(max_octets=record.size, expected_digests=expected)
 
     def received(self, filled: int) -> list[LayerSections]:
+        """The layers completed since the last call, each checked against its digest."""
         layers = self._parser.received(self.buffer, filled)
         header = self._parser.header
         if header is not None and layers and layers[0].layer == header.first_layer:
@@ -74,7 +76,10 @@ class BlockReceiver:
                 )
         return layers
 
-    def finish(self) -> Container:
+    def finish(self, filled: int) -> Container:
+        """The whole container once ``filled`` octets have arrived: the layers not checked yet,
+        then ``Repr-Digest`` and, for a whole block, the replica digest."""
+        self.received(filled)
         container = self._parser.finish()
         verify_repr_digest(self._repr_digest, container.sha256())
         whole = self.layers == (0, self.record.layer_count - 1)
@@ -140,12 +145,20 @@ class HolderClient(ClosingClient):
             digest = r.headers.get("repr-digest")
             yield r, BlockReceiver(record, layers, digest, r.content_length, buffer)
 
-    async def get(self, record: ReplicaRecord, layers: tuple[int, int] | None = None) -> Container:
-        """The block (or layers ``a..b``) of ``record`` from its holder, fully verified."""
-        async with self._receiver(record, layers) as (response, receiver):
-            async for filled in response.fill(receiver.buffer):
-                receiver.received(filled)
-            return await asyncio.to_thread(receiver.finish)
+    async def get(
+        self,
+        record: ReplicaRecord,
+        layers: tuple[int, int] | None = None,
+        buffer: memoryview | None = None,
+    ) -> Container:
+        """The block (or layers ``a..b``) of ``record`` from its holder, fully verified. The
+        octets land in ``buffer`` when it can hold them (the container views it); every check
+        runs on a worker thread once they are all in, so the event loop only receives."""
+        async with self._receiver(record, layers, buffer) as (response, receiver):
+            filled = 0
+            async for filled in response.fill(receiver.buffer):  # noqa: B007
+                pass
+            return await asyncio.to_thread(receiver.finish, filled)
 
     async def stream(
         self,
@@ -157,10 +170,11 @@ class HolderClient(ClosingClient):
         in ``buffer`` when it can hold them (the layers view it: the caller reuses it only
         after it is done with them)."""
         async with self._receiver(record, layers, buffer) as (response, receiver):
+            filled = 0
             async for filled in response.fill(receiver.buffer):
                 for layer in receiver.received(filled):
                     yield layer
-            await asyncio.to_thread(receiver.finish)
+            await asyncio.to_thread(receiver.finish, filled)
 
     async def get_container(self, base: str, path: str, max_octets: int) -> Container:
         """Any container resource (a token range of a sharded cache, say) with no Replica Record

@@ -7,14 +7,15 @@ hands the worker the blocks to load into the pages vLLM allocated and the blocks
 the step completes. The **worker** side moves octets: it streams every block of the step at
 once from its holders, a layer range per run of layers a holder keeps in one tier (each layer
 checked against its layer digest as it completes, ``Repr-Digest`` and the replica digest at the
-end, by ``HolderClient``); vLLM's thread writes each verified layer into its paged cache in
-``wait_for_layer_load(layer)``, which returns as soon as that layer is in place for every block
-while later layers are still in flight; and it copies the
-blocks a step completed out of the cache (kvsp-layout-1), PUTs them to a holder (which publishes
-them to the IS) in the background. A block that cannot be fetched or fails verification is never
-written: it and every later block of that request are reported through
-``get_block_ids_with_load_errors`` and vLLM recomputes them (run vLLM with
-``kv_load_failure_policy = "recompute"``). A save that fails costs only a later miss.
+end, by ``HolderClient``) into receive buffers kept from step to step; vLLM's thread, while it
+waits in ``wait_for_layer_load(layer)``, writes every verified section that has arrived (of any
+layer) into its paged cache, and returns as soon as that layer is in place for every block
+while later layers are still in flight; and it copies the blocks a step completed out of the
+cache (kvsp-layout-1), PUTs them to a holder (which publishes them to the IS) in the background.
+A block that cannot be fetched or fails verification is never written: it and every later block
+of that request are reported through ``get_block_ids_with_load_errors`` and vLLM recomputes them
+(run vLLM with ``kv_load_failure_policy = "recompute"``). A save that fails costs only a later
+miss.
 
 The load path is synchronous from vLLM's point of view (sync loading, layer-pipelined), which
 keeps vLLM's request states simple: a request never waits for remote KV between steps.
@@ -78,9 +79,8 @@ log = logging.getLogger("kvsp.vllm")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 #: saves in flight at most; past it a completed block is not saved (a later miss, no harm)
 _MAX_PENDING_SAVES = 512
-#: connections to each holder: enough for the blocks of a long prompt to stream side by side,
-#: so that early layers of every block arrive first
-_CONNECTIONS = 128
+#: connections to each holder (32 and 128 measured alike for a 2,048-token prompt)
+_CONNECTIONS = 32
 #: receive buffers kept between steps (octets)
 _KEPT_BUFFER_OCTETS = 256 << 20
 
