@@ -18,6 +18,7 @@ from kvsp.core.problems import (
     LayersUnavailable,
     LeaseQuotaExceeded,
     NotFound,
+    ServiceUnavailable,
 )
 from kvsp.core.records import LeaseRequest, ReplicaRecord
 from tests.holder.env import Env, holder_env
@@ -76,6 +77,9 @@ async def test_verified_get_stream_and_layer_ranges(env: Env) -> None:
     layers = [layer async for layer in c2.stream(record, None, memoryview(mine))]
     assert all(layer.k.obj is mine for layer in layers)
     assert bytes(mine) == container(1).tobytes()
+    odd = record.model_copy(update={"holder": "http://127.0.0.1:1/a b/"})
+    with pytest.raises(ServiceUnavailable, match="cannot be asked"):  # never a request line
+        await c2.get(odd)
     small = bytearray(10)
     layers = [layer async for layer in c2.stream(record, None, memoryview(small))]
     assert len(layers) == record.layer_count

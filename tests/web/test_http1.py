@@ -362,3 +362,19 @@ def test_the_same_answers_under_uvloop() -> None:
         runner.run(test_chunked_and_interim_answers_and_request_bodies_in_parts())
         runner.run(test_an_idempotent_request_is_sent_again_when_a_kept_connection_was_closed())
         runner.run(test_a_body_above_the_buffer_or_limit_is_refused_and_the_connection_closed())
+
+
+@pytest.mark.anyio
+async def test_nothing_can_split_a_request_line_or_field() -> None:
+    client = Http1Client()
+    for url, headers in (
+        ("http://127.0.0.1:1/a b", {}),
+        ("http://127.0.0.1:1/a\x00", {}),
+        ("http://127.0.0.1:1/", {"x-a": "1\r\nx-b: 2"}),
+        ("ftp://127.0.0.1/", {}),
+    ):
+        with pytest.raises(ValueError, match=r"control|not an http"):
+            async with client.request("GET", url, headers=headers):
+                pass
+    with pytest.raises(ValueError, match="control"):
+        Http1Client(headers={"authorization": "Bearer a\nb"})

@@ -129,6 +129,8 @@ class HolderClient(ClosingClient):
             raise ContainerLengthError(f"{method} {url}: {exc}") from None
         except (OSError, ProtocolError) as exc:
             raise ServiceUnavailable(f"holder {holder} unreachable: {exc!r}") from None
+        except ValueError as exc:  # a holder URL no request can be made to
+            raise ServiceUnavailable(f"holder {holder} cannot be asked: {exc}") from None
         if problem is not None:
             raise problem
 

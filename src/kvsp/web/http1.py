@@ -15,6 +15,7 @@ bounded, one deadline per request. The framing rules are RFC 9112's (section 6.3
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -35,6 +36,9 @@ __all__ = [
 #: the most octets a response head (status line and fields) may take
 HEAD_LIMIT = 64 * 1024
 _LINE_LIMIT = 4096
+#: what would end or split a request line (in the target) or a field line
+_NOT_IN_TARGET = re.compile(r"[\x00-\x20\x7f]")
+_NOT_IN_FIELD = re.compile(r"[\x00-\x1f\x7f]")
 _IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 
 Framing = Literal["none", "length", "chunked", "close"]
@@ -434,6 +438,9 @@ class Http1Client:
 
     def __init__(self, connections: int = 64, headers: Mapping[str, str] | None = None) -> None:
         self._limit = connections
+        for pair in (headers or {}).items():
+            if any(_NOT_IN_FIELD.search(text) for text in pair):
+                raise ValueError(f"control characters in the header {pair[0]!r}")
         self._headers = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self._idle: dict[Origin, list[_Connection]] = {}
         self._slots: dict[Origin, asyncio.Semaphore] = {}
@@ -495,6 +502,11 @@ class Http1Client:
         if query:
             target += "?" + query
         length = sum(len(p) for p in body)
+        named = {**(headers or {}), "host": parts.netloc}
+        if _NOT_IN_TARGET.search(target) or any(
+            _NOT_IN_FIELD.search(text) for pair in named.items() for text in pair
+        ):
+            raise ValueError(f"control characters or spaces in a request to {url!r}")
         fields = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         framing = f"content-length: {length}\r\n" if body or method in ("PUT", "POST") else ""
         head = (
@@ -531,12 +543,12 @@ class Http1Client:
         if connection is not None:
             try:
                 return connection, await connection.send(method, head, body, timeout_s)
-            except TimeoutError:
+            except BaseException as exc:
                 connection.close()
-                raise
-            except (OSError, ProtocolError):
-                connection.close()
-                if connection.started or method not in _IDEMPOTENT:
+                closed_before_answer = isinstance(exc, OSError | ProtocolError) and not (
+                    isinstance(exc, TimeoutError) or connection.started
+                )
+                if not closed_before_answer or method not in _IDEMPOTENT:
                     raise
         connection = await self._connect(origin, timeout_s)
         try:
