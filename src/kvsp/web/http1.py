@@ -183,6 +183,8 @@ class _Connection(asyncio.BufferedProtocol):
         self.head: ResponseHead | None = None
         self._framing: Framing = "none"
         self._left = 0
+        #: the body's length when the head states it
+        self.content_length: int | None = None
         self._sink: memoryview | None = None
         self._in_sink = False
         self._filled = 0
@@ -261,6 +263,8 @@ class _Connection(asyncio.BufferedProtocol):
                 continue  # 100 Continue, 103 Early Hints: the answer follows
             self.head = head
             self._framing, self._left = head.framing(self._method)
+            if self._framing in ("length", "none"):
+                self.content_length = self._left
             if self._framing == "chunked":
                 self._decoder = ChunkedDecoder()
             if self._framing == "none":
@@ -412,9 +416,8 @@ class Response:
         self._connection = connection
         self.status = head.status
         self.headers = head.headers
-        self.framing, length = head.framing(connection._method)
         #: the body's length when the head states it
-        self.content_length = length if self.framing in ("length", "none") else None
+        self.content_length = connection.content_length
 
     def fill(self, sink: memoryview) -> AsyncIterator[int]:
         """The body into ``sink`` as it arrives; yields the octets received so far."""
