@@ -435,15 +435,19 @@ class Response:
         return bytes(sink[:received])
 
 
+def _check_fields(fields: Mapping[str, str]) -> None:
+    for pair in fields.items():
+        if any(_NOT_IN_FIELD.search(text) for text in pair):
+            raise ValueError(f"control characters in the header {pair[0]!r}")
+
+
 class Http1Client:
     """Keep-alive connection pools per origin (scheme, host, port), at most ``connections``
     open to each; requests beyond that wait for a connection to come free."""
 
     def __init__(self, connections: int = 64, headers: Mapping[str, str] | None = None) -> None:
         self._limit = connections
-        for pair in (headers or {}).items():
-            if any(_NOT_IN_FIELD.search(text) for text in pair):
-                raise ValueError(f"control characters in the header {pair[0]!r}")
+        _check_fields(headers or {})
         self._headers = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self._idle: dict[Origin, list[_Connection]] = {}
         self._slots: dict[Origin, asyncio.Semaphore] = {}
@@ -505,11 +509,9 @@ class Http1Client:
         if query:
             target += "?" + query
         length = sum(len(p) for p in body)
-        named = {**(headers or {}), "host": parts.netloc}
-        if _NOT_IN_TARGET.search(target) or any(
-            _NOT_IN_FIELD.search(text) for pair in named.items() for text in pair
-        ):
+        if _NOT_IN_TARGET.search(target):
             raise ValueError(f"control characters or spaces in a request to {url!r}")
+        _check_fields({**(headers or {}), "host": parts.netloc})
         fields = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         framing = f"content-length: {length}\r\n" if body or method in ("PUT", "POST") else ""
         head = (
