@@ -94,6 +94,12 @@ def test_round_trip_random_geometry(block: tuple) -> None:  # type: ignore[type-
         np.testing.assert_array_equal(got_v.astype(v.dtype), v)
     assert parsed.layer_digests() == built.layer_digests()
     assert parsed.digest() == built.digest()
+    octets = built.tobytes()
+    for container in (built, parsed):  # each layer says where it lies in the representation
+        for layer in container.layers:
+            at = layer.offset
+            assert octets[at : at + len(layer.k)] == bytes(layer.k)
+            assert octets[at + len(layer.k) : at + len(layer.k) + len(layer.v)] == bytes(layer.v)
 
 
 @given(blocks(), st.lists(st.integers(1, 400), min_size=1, max_size=60))
@@ -117,8 +123,8 @@ def test_incremental_parse_equals_whole_parse(block: tuple, cuts: list[int]) -> 
             break
     seen.extend(parser.feed(data[pos:]))
     final = parser.finish()
-    assert [(s.layer, bytes(s.k), bytes(s.v)) for s in seen] == [
-        (s.layer, bytes(s.k), bytes(s.v)) for s in whole.layers
+    assert [(s.layer, bytes(s.k), bytes(s.v), s.offset) for s in seen] == [
+        (s.layer, bytes(s.k), bytes(s.v), s.offset) for s in whole.layers
     ]
     assert final.header == whole.header
     assert parser.digests == list(whole.layer_digests())

@@ -246,11 +246,13 @@ def _read_header(data: memoryview, max_octets: int) -> ContainerHeader | None:
 
 @dataclass(frozen=True, slots=True)
 class LayerSections:
-    """One layer of a container: zero-copy views of its K and V sections."""
+    """One layer of a container: zero-copy views of its K and V sections, and where the K
+    section starts in the container's representation (the V section follows it)."""
 
     layer: int
     k: memoryview
     v: memoryview
+    offset: int
 
     def digest(self) -> bytes:
         return layer_digest(self.k, self.v)
@@ -265,9 +267,8 @@ def _layers(
     pos = header.offset_of(header.first_layer + start) - header.header_octets
     for i in range(start, stop):
         k, v = header.lengths[i]
-        out.append(
-            LayerSections(header.first_layer + i, data[pos : pos + k], data[pos + k : pos + k + v])
-        )
+        section = data[pos : pos + k], data[pos + k : pos + k + v]
+        out.append(LayerSections(header.first_layer + i, *section, header.header_octets + pos))
         pos += k + v
     return out
 
@@ -324,8 +325,11 @@ class Container:
             if len(data) == 1:
                 self._layers = tuple(_layers(header, data[0], 0, header.layer_count))
             else:
+                first = header.first_layer
                 self._layers = tuple(
-                    LayerSections(header.first_layer + i, data[2 * i], data[2 * i + 1])
+                    LayerSections(
+                        first + i, data[2 * i], data[2 * i + 1], header.offset_of(first + i)
+                    )
                     for i in range(header.layer_count)
                 )
         return self._layers

@@ -4,67 +4,103 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvsp.core.problems import ConfigurationError
-from kvsp.integrations.vllm.layout import CpuPagedLayer
+from kvsp.integrations.vllm.layout import CpuPagedCache
 
-HEADS, DIM, PAGE = 3, 8, 32
+HEADS, DIM, PAGE, BLOCKS, LAYERS = 3, 8, 32, 4, 5
 
 
-def cache(blocks: int = 4) -> np.ndarray:
-    return np.zeros((blocks, HEADS, PAGE, 2 * DIM), dtype=np.float32)
+def together(layers: int = LAYERS) -> list[torch.Tensor]:
+    """Layers allocated in one piece, one after the other (as vLLM does)."""
+    return list(torch.zeros(layers, BLOCKS, HEADS, PAGE, 2 * DIM).unbind(0))
+
+
+def apart(layers: int = LAYERS) -> list[torch.Tensor]:
+    return [torch.zeros(BLOCKS, HEADS, PAGE, 2 * DIM) for _ in range(layers)]
+
+
+def sections(k: np.ndarray, v: np.ndarray) -> memoryview:
+    """Layers' sections as a container holds them: per layer K then V, [tokens, heads, dim]."""
+    return memoryview(bytearray(np.stack([k, v], axis=1).astype(np.float32).tobytes()))
 
 
 def test_k_is_stored_transposed_and_v_token_major_in_each_head() -> None:
-    memory = cache()
-    layer = CpuPagedLayer(memory, HEADS, DIM)
-    k = np.arange(2 * HEADS * DIM, dtype=np.float32).reshape(2, HEADS, DIM)
+    layers = together()
+    cache = CpuPagedCache(layers, HEADS, DIM)
+    k = np.arange(2 * HEADS * DIM, dtype=np.float32).reshape(1, 2, HEADS, DIM)
     v = -k
-    layer.write(1, 5, k, v)
-    head = memory[1, 2].reshape(-1)  # one (block, head): K [DIM, PAGE], then V [PAGE, DIM]
+    cache.write(3, 1, 5, 2, sections(k, v))
+    head = layers[3][1, 2].reshape(-1).numpy()  # (block 1, head 2): K [DIM, PAGE], V [PAGE, DIM]
     key_part = head[: PAGE * DIM].reshape(DIM, PAGE)
     value_part = head[PAGE * DIM :].reshape(PAGE, DIM)
-    assert np.array_equal(key_part[:, 5:7], k[:, 2, :].T)
-    assert np.array_equal(value_part[5:7], v[:, 2, :])
-    assert np.count_nonzero(memory[0]) == np.count_nonzero(memory[2:]) == 0
+    assert np.array_equal(key_part[:, 5:7], k[0, :, 2, :].T)
+    assert np.array_equal(value_part[5:7], v[0, :, 2, :])
+    touched = sum(int(torch.count_nonzero(layer)) for layer in layers)
+    assert touched == int(torch.count_nonzero(layers[3][1])) == 2 * 2 * HEADS * DIM - 2
+
+
+def test_layers_allocated_together_are_one_view() -> None:
+    assert CpuPagedCache(together(), HEADS, DIM).views == 1
+    assert CpuPagedCache(apart(), HEADS, DIM).views == LAYERS
+    mixed = [*together(2), *apart(1), *together(2)]
+    assert CpuPagedCache(mixed, HEADS, DIM).views == 3
 
 
 @given(
-    block=st.integers(0, 3),
+    first=st.integers(0, LAYERS - 1),
+    count=st.integers(1, LAYERS),
+    block=st.integers(0, BLOCKS - 1),
     offset=st.integers(0, PAGE - 1),
     tokens=st.integers(1, PAGE),
+    layout=st.sampled_from(["together", "apart", "mixed"]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_what_is_written_reads_back_and_touches_nothing_else(
-    block: int, offset: int, tokens: int, seed: int
+    first: int, count: int, block: int, offset: int, tokens: int, layout: str, seed: int
 ) -> None:
+    count = min(count, LAYERS - first)
     tokens = min(tokens, PAGE - offset)
     rng = np.random.default_rng(seed)
-    memory = rng.random((4, HEADS, PAGE, 2 * DIM), dtype=np.float32)
-    before = memory.copy()
-    layer = CpuPagedLayer(memory, HEADS, DIM)
-    k = rng.random((tokens, HEADS, DIM), dtype=np.float32)
-    v = rng.random((tokens, HEADS, DIM), dtype=np.float32)
-    layer.write(block, offset, k, v)
-    got_k, got_v = layer.read(block, offset, tokens)
-    assert np.array_equal(got_k, k)
-    assert np.array_equal(got_v, v)
-    assert got_k.flags.c_contiguous
-    assert got_v.flags.c_contiguous
-    others = np.ones(memory.shape, dtype=bool)
-    others[block] = False
-    assert np.array_equal(memory[others], before[others])
-    changed = np.count_nonzero(memory != before)
-    assert changed <= 2 * tokens * HEADS * DIM
+    layers = {
+        "together": together,
+        "apart": apart,
+        "mixed": lambda: [*together(2), *apart(1), *together(2)],
+    }[layout]()
+    for layer in layers:
+        layer.copy_(torch.from_numpy(rng.random(layer.shape, dtype=np.float32)))
+    before = [layer.clone() for layer in layers]
+    cache = CpuPagedCache(layers, HEADS, DIM)
+    k = rng.random((count, tokens, HEADS, DIM), dtype=np.float32)
+    v = rng.random((count, tokens, HEADS, DIM), dtype=np.float32)
+    cache.write(first, block, offset, tokens, sections(k, v))
+    for i in range(count):
+        got_k, got_v = cache.read(first + i, block, offset, tokens)
+        assert np.array_equal(got_k, k[i])
+        assert np.array_equal(got_v, v[i])
+        assert got_k.flags.c_contiguous
+        assert got_v.flags.c_contiguous
+    for i, (layer, old) in enumerate(zip(layers, before, strict=True)):
+        others = torch.ones(layer.shape, dtype=torch.bool)
+        if first <= i < first + count:
+            others[block] = False
+        assert torch.equal(layer[others], old[others])
+        assert int(torch.count_nonzero(layer != old)) <= 2 * tokens * HEADS * DIM
 
 
-def test_a_range_past_the_page_and_a_foreign_layout_are_refused() -> None:
-    layer = CpuPagedLayer(cache(), HEADS, DIM)
+def test_ranges_outside_the_cache_and_foreign_layouts_are_refused() -> None:
+    cache = CpuPagedCache(together(), HEADS, DIM)
     with pytest.raises(ValueError, match="outside a vLLM block"):
-        layer.read(0, PAGE - 2, 4)
+        cache.read(0, 0, PAGE - 2, 4)
+    one_layer = sections(np.zeros((1, 2, HEADS, DIM)), np.zeros((1, 2, HEADS, DIM)))
+    with pytest.raises(ValueError, match="outside the cache"):
+        cache.write(LAYERS, 0, 0, 2, one_layer)
     with pytest.raises(ConfigurationError, match="CPU_ATTN"):
-        CpuPagedLayer(np.zeros((2, 4, PAGE, HEADS, DIM), np.float32), HEADS, DIM)
+        CpuPagedCache([torch.zeros(2, 4, PAGE, HEADS, DIM)], HEADS, DIM)
     with pytest.raises(ConfigurationError, match="contiguous"):
-        CpuPagedLayer(cache()[:, :, :, ::-1], HEADS, DIM)
+        CpuPagedCache([torch.zeros(BLOCKS, HEADS, 2 * DIM, PAGE).transpose(2, 3)], HEADS, DIM)
+    with pytest.raises(ConfigurationError, match="differ"):
+        CpuPagedCache([*together(1), torch.zeros(BLOCKS + 1, HEADS, PAGE, 2 * DIM)], HEADS, DIM)

@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvsp.core.container import Container, section_array
+from kvsp.core.container import Container, ContainerHeader
 from kvsp.core.problems import (
     AlreadyStored,
     ConfigurationError,
@@ -51,9 +51,10 @@ from kvsp.core.problems import (
     KvspError,
 )
 from kvsp.core.records import LookupRequest, ReplicaRecord
+from kvsp.core.registries import CODEC_RAW
 from kvsp.holder.client import HolderClient
 from kvsp.index.client import IndexClient
-from kvsp.integrations.vllm.layout import CpuPagedLayer
+from kvsp.integrations.vllm.layout import CpuPagedCache
 from kvsp.integrations.vllm.loop import LoopThread
 from kvsp.integrations.vllm.plans import (
     BlockLoad,
@@ -110,6 +111,11 @@ class _BufferPool:
                     return buffer
         return memoryview(bytearray(octets))
 
+    def fill(self, octets: int, count: int) -> None:
+        """Allocate ``count`` buffers of ``octets`` now (as many as are kept): a buffer is
+        zeroed, so mapped, when it is made, which the first loads would otherwise pay for."""
+        self.give([memoryview(bytearray(octets)) for _ in range(min(count, self._keep // octets))])
+
     def give(self, buffers: Sequence[memoryview]) -> None:
         with self._lock:
             kept = sum(len(b) for b in self._free)
@@ -140,14 +146,14 @@ def _holders_first(records: Sequence[ReplicaRecord], near: str | None) -> tuple[
 class _LoadRun:
     """The loads of one step, shared by the connector's loop thread (which receives) and vLLM's
     thread (which writes into the pages). Per layer: how many blocks have not yet handed that
-    layer over (or given up); the verified sections in order of arrival; an event set at every
+    layer over (or given up); the verified layer runs in order of arrival; an event set at every
     change; per request, the first block that failed."""
 
     plans: tuple[RequestPlan, ...]
     layers: int
     remaining: list[int] = field(default_factory=list)
-    #: verified sections waiting to be written: (layer, page, offset, K octets, V octets)
-    arrived: deque[tuple[int, int, int, memoryview, memoryview]] = field(default_factory=deque)
+    #: verified runs of layers waiting to be written: (first layer, page, offset, their octets)
+    arrived: deque[tuple[int, int, int, memoryview]] = field(default_factory=deque)
     news: threading.Event = field(default_factory=threading.Event)
     failed: dict[str, int] = field(default_factory=dict)
     #: receive buffers taken from the pool, given back once nothing views them
@@ -157,6 +163,11 @@ class _LoadRun:
 
     def __post_init__(self) -> None:
         self.remaining = [sum(len(p.loads) for p in self.plans)] * self.layers
+
+    def hand_over(self, first: int, last: int, page: int, offset: int, octets: memoryview) -> None:
+        """One block's verified layers ``first..last`` (their sections as in the container)."""
+        self.arrived.append((first, page, offset, octets))
+        self.settled(first, last)
 
     def settled(self, first: int, last: int) -> None:
         """One block's layers ``first..last`` were handed over, or never will be."""
@@ -206,6 +217,7 @@ class KVSPConnector(KVConnectorBase_V1):
         d = self.settings.descriptor
         self.block_tokens = d.block_tokens
         self.page_tokens = int(vllm_config.cache_config.block_size)
+        self._max_tokens = int(model.max_model_len)
         check_block_sizes(self.block_tokens, self.page_tokens)
         hf = model.hf_config
         heads = int(hf.num_attention_heads)
@@ -227,7 +239,7 @@ class KVSPConnector(KVConnectorBase_V1):
         self._tracked: dict[str, TrackedRequest] = {}
         self._requests: dict[str, Request] = {}
         # worker side
-        self._layers: dict[int, CpuPagedLayer] = {}
+        self._cache: CpuPagedCache | None = None
         self._names: dict[str, int] = {}
         self._run: _LoadRun | None = None
         self._staged: dict[tuple[str, str, str], dict[int, tuple[Any, Any]]] = {}
@@ -379,6 +391,7 @@ class KVSPConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         g = self.geometry
+        layers: dict[int, torch.Tensor] = {}
         for name, cache in kv_caches.items():
             if cache.dtype != torch.float32 or cache.device.type != "cpu":
                 raise ConfigurationError(
@@ -387,11 +400,16 @@ class KVSPConnector(KVConnectorBase_V1):
                 )
             index = _layer_index(name)
             self._names[name] = index
-            self._layers[index] = CpuPagedLayer(cache.numpy(), g.kv_heads, g.head_dim)
-        if sorted(self._layers) != list(range(g.layers)):
-            raise ConfigurationError(f"vLLM registered layers {sorted(self._layers)}")
-        if next(iter(self._layers.values())).block_size != self.page_tokens:
+            layers[index] = cache
+        if sorted(layers) != list(range(g.layers)):
+            raise ConfigurationError(f"vLLM registered layers {sorted(layers)}")
+        self._cache = CpuPagedCache([layers[i] for i in range(g.layers)], g.kv_heads, g.head_dim)
+        if self._cache.block_size != self.page_tokens:
             raise ConfigurationError("vLLM's KV cache pages do not have the configured size")
+        log.info("vLLM's KV cache layers are seen through %d view(s)", self._cache.views)
+        pair = (self._section_octets, self._section_octets)
+        whole = ContainerHeader(CODEC_RAW, 0, self.block_tokens, (pair,) * g.layers)
+        self._buffers.fill(whole.total_octets, -(-self._max_tokens // self.block_tokens))
 
     def _metadata(self) -> KVSPConnectorMetadata:
         meta = self._get_connector_metadata()
@@ -424,21 +442,27 @@ class KVSPConnector(KVConnectorBase_V1):
         serves it intact (a later holder takes over from the first layer not yet in place)."""
         g = self.geometry
         page, offset = plan.page_of(load.first_token, self.page_tokens)
-        done = 0  # layers 0..done-1 are in place
+        done = 0  # layers 0..done-1 are handed over
         for record in load.records:
             try:
                 for first, last in fetch_ranges(record, done, self.settings.layer_chunk):
                     buffer = self._buffers.take(record.size)
                     run.buffers.append(buffer)
-                    stream = self._holder_client().stream(record, (first, last), buffer)
-                    async for layer in stream:
-                        if not run.live(plan, index):
-                            raise _Abandoned
-                        if {len(layer.k), len(layer.v)} != {self._section_octets}:
-                            raise ContainerError(f"layer sections of {len(layer.k)} octets")
-                        run.arrived.append((layer.layer, page, offset, layer.k, layer.v))
-                        run.settled(layer.layer, layer.layer)
-                        done = layer.layer + 1
+                    start = at = 0
+                    try:
+                        stream = self._holder_client().stream(record, (first, last), buffer)
+                        async for layer in stream:
+                            if not run.live(plan, index):
+                                raise _Abandoned
+                            if {len(layer.k), len(layer.v)} != {self._section_octets}:
+                                raise ContainerError(f"layer sections of {len(layer.k)} octets")
+                            if layer.layer == first:
+                                start = at = layer.offset
+                            at += 2 * self._section_octets
+                            done = layer.layer + 1
+                    finally:  # the layers that passed their digests, even if a later one failed
+                        if done > first:
+                            run.hand_over(first, done - 1, page, offset, buffer[start:at])
                     if done != last + 1:
                         raise ContainerError(f"layers {first}-{last} did not all come")
                 return
@@ -469,18 +493,13 @@ class KVSPConnector(KVConnectorBase_V1):
                 run.give_up()
 
     def _place(self, run: _LoadRun) -> None:
-        """Write the sections that have arrived into vLLM's pages."""
-        g = self.geometry
+        """Write the layer runs that have arrived into vLLM's pages."""
+        assert self._cache is not None
         arrived = run.arrived
         while arrived:
-            layer, page, offset, k, v = arrived.popleft()
+            first, page, offset, octets = arrived.popleft()
             if not run.cancelled:
-                self._layers[layer].write(
-                    page,
-                    offset,
-                    section_array(k, g.element, g.kv_heads, g.head_dim),
-                    section_array(v, g.element, g.kv_heads, g.head_dim),
-                )
+                self._cache.write(first, page, offset, self.block_tokens, octets)
 
     def _settle(self, run: _LoadRun) -> bool:
         """Wait until every load of the step has ended (placed or failed); False if they did
@@ -512,15 +531,14 @@ class KVSPConnector(KVConnectorBase_V1):
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
         index = self._names.get(layer_name)
-        if index is None:
+        if index is None or self._cache is None:
             return
-        layer = self._layers[index]
         for plan in self._metadata().plans:
             for save in plan.saves:
                 page, offset = plan.page_of(save.first_token, self.page_tokens)
                 block = (plan.compat_id, plan.scope_id, save.key)
-                self._staged.setdefault(block, {})[index] = layer.read(
-                    page, offset, self.block_tokens
+                self._staged.setdefault(block, {})[index] = self._cache.read(
+                    index, page, offset, self.block_tokens
                 )
 
     def wait_for_save(self) -> None:
