@@ -5,7 +5,8 @@
   tenant never hits another tenant's blocks;
 - vLLM reuses blocks the reference instance wrote and the reference reuses vLLM's, with the
   same greedy tokens;
-- a block served corrupted is detected, recomputed, and the output is still correct;
+- a block served corrupted is detected and recomputed, or, when another holder has it, taken
+  from that holder from the first bad layer on; the output is correct either way;
 - the controller routes a session to a vLLM instance and, after a SIGKILL, resumes it on another
   vLLM instance, every token index once, equal to the reference.
 """
@@ -17,7 +18,7 @@ import json
 import signal
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -142,19 +143,26 @@ async def test_vllm_and_the_reference_instance_reuse_each_others_blocks(
     assert again["tokens"] == stored["tokens"] == greedy(engine, later, 16)
 
 
-def _corrupting_holder(blocks: dict[str, Container], bad: str) -> Starlette:
-    """A holder that serves one block with a byte flipped in its layer 12 (and a Repr-Digest
-    that matches what it sends, so only the layer digests can tell)."""
+def _corrupting_holder(
+    blocks: dict[str, Container],
+    bad: Collection[str] = (),
+    asked: list[tuple[str, str | None]] | None = None,
+) -> Starlette:
+    """A holder that serves the ``bad`` blocks with a byte flipped in their layer 12 (and a
+    Repr-Digest that matches what it sends, so only the layer digests can tell); ``asked``
+    collects the (block, layers) of every GET."""
 
     async def get(request: Request) -> Response:
         key = request.path_params["key"]
         container = blocks[key]
         layers = request.query_params.get("layers")
+        if asked is not None:
+            asked.append((key, layers))
         if layers:
             first, last = (int(x) for x in layers.split("-"))
             container = container.slice(first, last)
         body = bytearray(container.tobytes())
-        if key == bad and container.header.first_layer <= 12 <= container.header.last_layer:
+        if key in bad and container.header.first_layer <= 12 <= container.header.last_layer:
             body[container.header.offset_of(12) + 5] ^= 0x40
         headers = {"repr-digest": repr_digest_of(body)}
         return Response(bytes(body), media_type="application/kvsp-block", headers=headers)
@@ -165,33 +173,58 @@ def _corrupting_holder(blocks: dict[str, Container], bad: str) -> Starlette:
 async def test_a_corrupted_block_is_detected_and_recomputed(
     cluster: Cluster, model_files: ModelFiles, engine: Engine
 ) -> None:
-    prompt = (PROMPT[5:] * 6)[:260]
-    # the prompt's blocks from the reference engine, published only at a corrupting holder
-    state = KvState()
-    engine.forward(state, prompt)
     compat = model_files.compat_id.hex()
     scope_key = bytes.fromhex("66" * 32)  # tenant "other" of the cluster
     scope = scope_id(scope_key).hex()
-    keys = [k.hex() for k in block_keys(scope_key, parse_compat_id(compat), prompt[:256], 16)]
-    blocks = {key: engine.export_block(state, i) for i, key in enumerate(keys)}
-    async with serving(_corrupting_holder(blocks, bad=keys[9])) as evil:
-        async with IndexClient(cluster.index.base_url) as index:
-            for key, container in blocks.items():
-                meta = BlockMeta.of(container)
-                record = ReplicaRecord.parse(
-                    {
-                        "block_key": key, "compat_id": compat, "scope_id": scope, "holder": evil,
-                        "codec": 1, "size": meta.size, "digest": meta.digest_text,
-                        "layer_digests": list(meta.layer_digests_hex),
-                        "residency": [{"tier": "host", "layers": [0, 29], "read_mbit_per_s": 8000}],
-                        "ttl_ms": 600_000,
-                    }
-                )  # fmt: skip
-                await index.publish(record)
-        (answer,) = await offline(cluster, model_files, [prompt], tenant="other")
-    # blocks 0-8 loaded; block 9 failed, so vLLM recomputed from its page (token 128) on
-    assert answer["kv_transfer_params"] == {"kvsp": {"loaded_tokens": 128}}
-    assert answer["tokens"] == greedy(engine, prompt, 16)  # what vLLM and the reference give
+    blocks: dict[str, Container] = {}
+
+    def keys_of(prompt: list[int]) -> list[str]:
+        """The prompt's blocks from the reference engine, kept in ``blocks``."""
+        state = KvState()
+        engine.forward(state, prompt)
+        keys = [k.hex() for k in block_keys(scope_key, parse_compat_id(compat), prompt[:256], 16)]
+        blocks.update({key: engine.export_block(state, i) for i, key in enumerate(keys)})
+        return keys
+
+    def record(key: str, holder: str) -> ReplicaRecord:
+        meta = BlockMeta.of(blocks[key])
+        return ReplicaRecord.parse(
+            {
+                "block_key": key, "compat_id": compat, "scope_id": scope, "holder": holder,
+                "codec": 1, "size": meta.size, "digest": meta.digest_text,
+                "layer_digests": list(meta.layer_digests_hex),
+                "residency": [{"tier": "host", "layers": [0, 29], "read_mbit_per_s": 8000}],
+                "ttl_ms": 600_000,
+            }
+        )  # fmt: skip
+
+    first, second = (PROMPT[5:] * 6)[:260], (PROMPT[7:] * 6)[:260]
+    first_keys, second_keys = keys_of(first), keys_of(second)
+    asked: list[tuple[str, str | None]] = []
+    async with (
+        serving(_corrupting_holder(blocks, bad={first_keys[9], second_keys[9]})) as evil,
+        serving(_corrupting_holder(blocks, asked=asked)) as honest,
+        IndexClient(cluster.index.base_url) as index,
+    ):
+        for key in blocks:
+            await index.publish(record(key, evil))
+        # only the corrupting holder has them: blocks 0-8 load; block 9 fails, so vLLM
+        # recomputes from its page (token 128) on
+        (answer,) = await offline(cluster, model_files, [first], tenant="other")
+        assert answer["kv_transfer_params"] == {"kvsp": {"loaded_tokens": 128}}
+        assert answer["tokens"] == greedy(engine, first, 16)  # what vLLM and the reference give
+
+        # another holder has block 9 too: the layers before 12 that were handed over (checked
+        # as they arrive, in groups) come from the first holder, the rest from the other
+        await index.publish(record(second_keys[9], honest))
+        (answer,) = await offline(cluster, model_files, [second], tenant="other")
+        assert answer["kv_transfer_params"] == {"kvsp": {"loaded_tokens": 256}}
+        assert answer["tokens"] == greedy(engine, second, 16)
+        ((key, layers),) = asked
+        assert key == second_keys[9]
+        assert layers is not None
+        assert layers.endswith("-29")
+        assert 0 < int(layers[:-3]) <= 12
 
 
 async def test_controller_resumes_a_vllm_session_on_another_vllm_instance(
