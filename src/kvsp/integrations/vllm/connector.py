@@ -448,7 +448,7 @@ class KVSPConnector(KVConnectorBase_V1):
                 for first, last in fetch_ranges(record, done, self.settings.layer_chunk):
                     buffer = self._buffers.take(record.size)
                     run.buffers.append(buffer)
-                    start = at = 0
+                    start = 0  # where layer ``first`` lies in the buffer
                     try:
                         stream = self._holder_client().stream(record, (first, last), buffer)
                         async for layer in stream:
@@ -457,12 +457,12 @@ class KVSPConnector(KVConnectorBase_V1):
                             if {len(layer.k), len(layer.v)} != {self._section_octets}:
                                 raise ContainerError(f"layer sections of {len(layer.k)} octets")
                             if layer.layer == first:
-                                start = at = layer.offset
-                            at += 2 * self._section_octets
+                                start = layer.offset
                             done = layer.layer + 1
                     finally:  # the layers that passed their digests, even if a later one failed
                         if done > first:
-                            run.hand_over(first, done - 1, page, offset, buffer[start:at])
+                            end = start + (done - first) * 2 * self._section_octets
+                            run.hand_over(first, done - 1, page, offset, buffer[start:end])
                     if done != last + 1:
                         raise ContainerError(f"layers {first}-{last} did not all come")
                 return

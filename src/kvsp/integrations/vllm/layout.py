@@ -99,7 +99,7 @@ class CpuPagedCache:
         """How many views the layers are seen through (1 when vLLM allocated them together)."""
         return len(self._spans)
 
-    def _span(self, offset: int, tokens: int) -> slice:
+    def _tokens(self, offset: int, tokens: int) -> slice:
         if not 0 <= offset < offset + tokens <= self.block_size:
             raise ValueError(f"tokens {offset}..{offset + tokens} outside a vLLM block")
         return slice(offset, offset + tokens)
@@ -110,7 +110,7 @@ class CpuPagedCache:
         """Put the K and V sections of consecutive layers from ``first_layer`` on (``sections``:
         the layers' octets as they lie in a container, each ``[tokens, heads, head_dim]``) at
         token ``offset`` of vLLM ``block``."""
-        span = self._span(offset, tokens)
+        span = self._tokens(offset, tokens)
         source = np.frombuffer(sections, dtype=self.dtype)
         source = source.reshape(-1, 2, tokens, self._kv_heads, self._head_dim)
         last = first_layer + source.shape[0]
@@ -128,7 +128,7 @@ class CpuPagedCache:
     def read(self, layer: int, block: int, offset: int, tokens: int) -> tuple[Array, Array]:
         """Fresh ``[tokens, heads, head_dim]`` copies of K and V of ``layer`` at ``offset`` of
         ``block``."""
-        span = self._span(offset, tokens)
+        span = self._tokens(offset, tokens)
         s = next(s for s in self._spans if s.first <= layer < s.first + s.count)
         i = layer - s.first
         k = np.ascontiguousarray(s.k[i, block, :, :, span].transpose(2, 0, 1))
