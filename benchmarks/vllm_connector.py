@@ -8,9 +8,12 @@ a vLLM process of its own. Prints one JSON line.
   shared folder (local disk), the reference for a connector that moves bytes and checks nothing.
 
 Each process first runs a short warm-up prompt, then five distinct prompts. Once the stores'
-files are on disk, the two hit cases run in three rounds of one process each, which case comes
-first alternating, so that a slow spell of a shared machine falls on both; a figure is the
-median of all its prompts, and ``rounds_ms`` gives each round's median.
+files are on disk, the two hit cases run in five rounds, each a process of one case right after
+a process of the other (which comes first alternates). A TTFT figure is the median of all its
+prompts, and ``rounds_ms`` gives each round's median. The two hit cases are compared round by
+round, as pairs measured side by side: ``round_ratios`` gives each round's ratio of medians and
+the figure is their median, so a slow spell of a shared machine, which falls on one or two
+rounds, does not decide the comparison.
 Targets: kvsp_hit / no_cache <= 0.2, and kvsp_hit / example_hit <= 1.0.
 The hit cases give the no-cache case's first tokens (checked).
 """
@@ -36,7 +39,7 @@ from kvsp.instance.model import install
 
 PROMPT_TOKENS = 2048
 PROMPTS = 5
-ROUNDS = 3
+ROUNDS = 5
 
 
 def vllm(spec: dict[str, Any], where: Path, name: str) -> list[dict[str, Any]]:
@@ -104,6 +107,7 @@ def main() -> None:
         return round(statistics.median(r["seconds"] for r in case) * 1000, 1)
 
     no_cache, kvsp_hit, ex_hit = median_ms(plain), median_ms(hit), median_ms(example_hit)
+    round_ratios = [median_ms(k) / median_ms(e) for k, e in zip(hits, example_hits, strict=True)]
     print(
         json.dumps(
             {
@@ -119,10 +123,11 @@ def main() -> None:
                     "kvsp_hit": [median_ms(case) for case in hits],
                     "example_hit": [median_ms(case) for case in example_hits],
                 },
+                "round_ratios": [round(r, 3) for r in round_ratios],
                 "cached_tokens": hit[0]["cached_tokens"],
                 "ratio_kvsp_hit_to_no_cache": round(kvsp_hit / no_cache, 3),
                 "limit_kvsp_hit_to_no_cache": 0.2,
-                "ratio_kvsp_hit_to_example_hit": round(kvsp_hit / ex_hit, 3),
+                "ratio_kvsp_hit_to_example_hit": round(statistics.median(round_ratios), 3),
                 "limit_kvsp_hit_to_example_hit": 1.0,
             }
         )

@@ -6,7 +6,8 @@
 - vLLM reuses blocks the reference instance wrote and the reference reuses vLLM's, with the
   same greedy tokens;
 - a block served corrupted is detected and recomputed, or, when another holder has it, taken
-  from that holder from the first bad layer on; the output is correct either way;
+  from that holder from the first bad layer on; a wrong Repr-Digest over layers that all match
+  their layer digests keeps those layers; the output is correct in every case;
 - the controller routes a session to a vLLM instance and, after a SIGKILL, resumes it on another
   vLLM instance, every token index once, equal to the reference.
 """
@@ -147,10 +148,12 @@ def _corrupting_holder(
     blocks: dict[str, Container],
     bad: Collection[str] = (),
     asked: list[tuple[str, str | None]] | None = None,
+    bad_repr: Collection[str] = (),
 ) -> Starlette:
     """A holder that serves the ``bad`` blocks with a byte flipped in their layer 12 (and a
-    Repr-Digest that matches what it sends, so only the layer digests can tell); ``asked``
-    collects the (block, layers) of every GET."""
+    Repr-Digest that matches what it sends, so only the layer digests can tell), and the
+    ``bad_repr`` blocks intact under a wrong Repr-Digest; ``asked`` collects the (block,
+    layers) of every GET."""
 
     async def get(request: Request) -> Response:
         key = request.path_params["key"]
@@ -164,7 +167,7 @@ def _corrupting_holder(
         body = bytearray(container.tobytes())
         if key in bad and container.header.first_layer <= 12 <= container.header.last_layer:
             body[container.header.offset_of(12) + 5] ^= 0x40
-        headers = {"repr-digest": repr_digest_of(body)}
+        headers = {"repr-digest": repr_digest_of(body + b"!" if key in bad_repr else body)}
         return Response(bytes(body), media_type="application/kvsp-block", headers=headers)
 
     return Starlette(routes=[Route("/kvsp/blocks/{compat}/{scope}/{key}", get)])
@@ -199,10 +202,14 @@ async def test_a_corrupted_block_is_detected_and_recomputed(
         )  # fmt: skip
 
     first, second = (PROMPT[5:] * 6)[:260], (PROMPT[7:] * 6)[:260]
-    first_keys, second_keys = keys_of(first), keys_of(second)
+    third = (PROMPT[9:] * 7)[:260]
+    first_keys, second_keys, third_keys = keys_of(first), keys_of(second), keys_of(third)
     asked: list[tuple[str, str | None]] = []
+    corrupting = _corrupting_holder(
+        blocks, bad={first_keys[9], second_keys[9]}, bad_repr={third_keys[9]}
+    )
     async with (
-        serving(_corrupting_holder(blocks, bad={first_keys[9], second_keys[9]})) as evil,
+        serving(corrupting) as evil,
         serving(_corrupting_holder(blocks, asked=asked)) as honest,
         IndexClient(cluster.index.base_url) as index,
     ):
@@ -210,9 +217,13 @@ async def test_a_corrupted_block_is_detected_and_recomputed(
             await index.publish(record(key, evil))
         # only the corrupting holder has them: blocks 0-8 load; block 9 fails, so vLLM
         # recomputes from its page (token 128) on
-        (answer,) = await offline(cluster, model_files, [first], tenant="other")
+        answer, intact = await offline(cluster, model_files, [first, third], tenant="other")
         assert answer["kv_transfer_params"] == {"kvsp": {"loaded_tokens": 128}}
         assert answer["tokens"] == greedy(engine, first, 16)  # what vLLM and the reference give
+        # a wrong Repr-Digest over layers that all match their layer digests: the holder's
+        # answer is refused (logged), and the layers, already checked and in place, are kept
+        assert intact["kv_transfer_params"] == {"kvsp": {"loaded_tokens": 256}}
+        assert intact["tokens"] == greedy(engine, third, 16)
 
         # another holder has block 9 too: the layers before 12 that were handed over (checked
         # as they arrive, in groups) come from the first holder, the rest from the other

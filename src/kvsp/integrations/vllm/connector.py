@@ -6,16 +6,17 @@ vLLM's own prefix-cache hit are held somewhere (``get_num_new_matched_tokens``),
 hands the worker the blocks to load into the pages vLLM allocated and the blocks whose tokens
 the step completes. The **worker** side moves octets: it streams every block of the step at
 once from its holders, a layer range per run of layers a holder keeps in one tier (each layer
-checked against its layer digest as it completes, ``Repr-Digest`` and the replica digest at the
-end, by ``HolderClient``) into receive buffers kept from step to step; vLLM's thread, while it
-waits in ``wait_for_layer_load(layer)``, writes every verified section that has arrived (of any
-layer) into its paged cache, and returns as soon as that layer is in place for every block
-while later layers are still in flight; and it copies the blocks a step completed out of the
-cache (kvsp-layout-1), PUTs them to a holder (which publishes them to the IS) in the background.
-A block that cannot be fetched or fails verification is never written: it and every later block
-of that request are reported through ``get_block_ids_with_load_errors`` and vLLM recomputes them
-(run vLLM with ``kv_load_failure_policy = "recompute"``). A save that fails costs only a later
-miss.
+checked against its layer digest as it completes, by ``HolderClient``, and the range handed
+over when its last layer has passed; ``Repr-Digest`` and the replica digest are checked after)
+into receive buffers kept from step to step; vLLM's thread, while it waits in
+``wait_for_layer_load(layer)``, writes every verified section that has arrived (of any layer)
+into its paged cache, and returns as soon as that layer is in place for every block while later
+layers are still in flight; and it copies the blocks a step completed out of the cache
+(kvsp-layout-1), PUTs them to a holder (which publishes them to the IS) in the background.
+A layer that fails its digest is never written; a later holder supplies the layers not yet in
+place, and a block no holder completes is, with every later block of its request, reported
+through ``get_block_ids_with_load_errors`` so that vLLM recomputes them (run vLLM with
+``kv_load_failure_policy = "recompute"``). A save that fails costs only a later miss.
 
 The load path is synchronous from vLLM's point of view (sync loading, layer-pipelined), which
 keeps vLLM's request states simple: a request never waits for remote KV between steps.
@@ -449,8 +450,8 @@ class KVSPConnector(KVConnectorBase_V1):
                     buffer = self._buffers.take(record.size)
                     run.buffers.append(buffer)
                     start = 0  # where layer ``first`` lies in the buffer
+                    stream = self._holder_client().stream(record, (first, last), buffer)
                     try:
-                        stream = self._holder_client().stream(record, (first, last), buffer)
                         async for layer in stream:
                             if not run.live(plan, index):
                                 raise _Abandoned
@@ -459,17 +460,22 @@ class KVSPConnector(KVConnectorBase_V1):
                             if layer.layer == first:
                                 start = layer.offset
                             done = layer.layer + 1
+                            if done == last + 1:
+                                break  # handed over before the Repr-Digest pass, below
                     finally:  # the layers that passed their digests, even if a later one failed
                         if done > first:
                             end = start + (done - first) * 2 * self._section_octets
                             run.hand_over(first, done - 1, page, offset, buffer[start:end])
                     if done != last + 1:
                         raise ContainerError(f"layers {first}-{last} did not all come")
+                    await anext(stream, None)  # the stream's end: Repr-Digest (KVSP 6.7)
                 return
             except _Abandoned:
                 break
             except KvspError as exc:
                 log.warning("block %s from %s not loaded: %s", load.key[:16], record.holder, exc)
+                if done == g.layers:  # every layer matched its layer digest and is handed over
+                    return
         run.fail(plan, index)
         if done < g.layers:
             run.settled(done, g.layers - 1)
