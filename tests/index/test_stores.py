@@ -11,7 +11,7 @@ import pytest
 
 from kvsp.core.clock import SystemClock
 from kvsp.core.problems import CapacityExhausted, ServiceUnavailable, StaleEpoch
-from kvsp.index.state import IndexLimits
+from kvsp.index.state import IndexLimits, answer_json
 from kvsp.index.stores import MemoryReplicaStore, RedisReplicaStore, ReplicaStore, open_store
 from tests.index.factories import COMPAT, H1, H2, I1, SCOPE_A, SCOPE_B, key, ref, replica, status
 
@@ -47,6 +47,22 @@ async def test_prefix_lookup(store: ReplicaStore) -> None:
     (served,) = json.loads(result.matched[1].rendered())
     assert served["block_key"] == key(1)
     assert served["ttl_ms"] == 2_000
+
+
+async def test_the_answer_is_the_lookup_rendered(store: ReplicaStore) -> None:
+    await store.publish([replica(0), replica(0, holder=H2), replica(1), replica(2), replica(4)])
+    await store.withdraw([ref(2)])
+    await store.publish([replica(1, ttl_ms=1_000)])  # a refresh re-renders the block
+    asked = keys(0, 1, 2, 4)
+    matched, answer = await store.answer(COMPAT, SCOPE_A, asked)
+    assert matched == 2
+    assert answer == answer_json((await store.lookup(COMPAT, SCOPE_A, asked, [])).matched)
+    doc = json.loads(answer)
+    assert doc["matched"] == 2
+    assert [sorted(r["holder"] for r in rs) for rs in doc["replicas"]] == [[H1, H2], [H1]]
+    assert doc["estimates"] == []
+    assert await store.answer(COMPAT, SCOPE_B, asked) == (0, answer_json(()))
+    assert json.loads(answer_json(())) == {"matched": 0, "replicas": [], "estimates": []}
 
 
 async def test_publish_refresh_withdraw(store: ReplicaStore) -> None:

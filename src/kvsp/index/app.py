@@ -1,9 +1,10 @@
 """HTTP adapter of the Index Service (Starlette): the routes of docs/api.md, nothing else.
 
 Each route authenticates, reads and validates its body or path, and calls ``IndexService``;
-errors become problem documents through ``kvsp.web.server``. Plain Starlette routes, not
-FastAPI's: kvsp validates bodies with its own record models, and FastAPI's per-request
-dependency machinery cost more than the lookup itself (docs/decisions/0006).
+errors become problem documents through ``kvsp.web.server``. ``POST lookup`` is served ahead of
+Starlette's middleware and router (``ExactRoutes``), its body decoded by ``index.queries``.
+Plain Starlette routes, not FastAPI's: kvsp validates bodies with its own record models, and
+FastAPI's per-request dependency machinery cost more than the lookup itself (decision 0006).
 """
 
 from __future__ import annotations
@@ -22,15 +23,16 @@ from kvsp.core.ids import parse_block_key, parse_compat_id, parse_scope_id
 from kvsp.core.problems import NotFound, PayloadTooLarge, RecordError
 from kvsp.core.records import (
     InstanceStatusRecord,
-    LookupRequest,
     ReplicaBatch,
     ReplicaRecord,
     ReplicaRef,
 )
+from kvsp.index.queries import decode_lookup
 from kvsp.index.service import IndexService
 from kvsp.index.state import check_path
 from kvsp.web.server import (
     AsgiEndpoint,
+    ExactRoutes,
     header_value,
     install_problem_handlers,
     json_response,
@@ -66,7 +68,7 @@ def create_app(
     service: IndexService,
     principals: Principals,
     max_body_octets: int = DEFAULT_MAX_BODY_OCTETS,
-) -> Starlette:
+) -> ExactRoutes:
     async def publish(request: Request) -> Response:
         compat, scope, block_key = _block_path(request)
         principal = principal_of(request, principals)
@@ -104,8 +106,8 @@ def create_app(
     async def lookup(scope: Scope, receive: Receive, send: Send) -> None:
         """The hottest route, as a bare ASGI endpoint: no request or response objects."""
         principal = principals.authenticate(header_value(scope, b"authorization"))
-        parsed = LookupRequest.parse(await read_body(scope, receive, max_body_octets))
-        await send_json(send, await service.lookup(principal, parsed))
+        query = decode_lookup(await read_body(scope, receive, max_body_octets))
+        await send_json(send, await service.lookup(principal, query))
 
     async def status(request: Request) -> Response:
         principal = principal_of(request, principals)
@@ -134,5 +136,7 @@ def create_app(
         ],
         lifespan=lifespan_of(service.store.start, service.store.close),
     )
-    install_problem_handlers(app, log, lambda slug: service.metrics.rejected.labels(slug).inc())
-    return app
+    responder = install_problem_handlers(
+        app, log, lambda slug: service.metrics.rejected.labels(slug).inc()
+    )
+    return ExactRoutes(app, {("POST", BASE + "lookup"): lookup}, responder)

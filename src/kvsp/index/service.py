@@ -24,19 +24,19 @@ from prometheus_client.core import (
 from kvsp.auth import Principal
 from kvsp.core.records import (
     InstanceStatusRecord,
-    LookupRequest,
     ReplicaBatch,
     ReplicaRecord,
     ReplicaRef,
 )
+from kvsp.index.queries import LookupQuery
 from kvsp.index.state import (
     PublishOutcome,
+    answer_json,
     authorize_lookup,
     authorize_publish,
     authorize_status,
     authorize_withdraw,
     estimate_targets,
-    render_blocks,
 )
 from kvsp.index.stores import ReplicaStore
 
@@ -154,21 +154,23 @@ class IndexService:
             }
         ).encode()
 
-    async def lookup(self, principal: Principal, request: LookupRequest) -> bytes:
-        authorize_lookup(principal, request)
-        targets = request.targets or ()
+    async def lookup(self, principal: Principal, query: LookupQuery) -> bytes:
+        """The answer's JSON; without estimates to make, straight from the store's ``answer``."""
+        authorize_lookup(principal, query.scope_id)
+        if not query.targets or query.block_tokens is None:
+            matched, answer = await self.store.answer(
+                query.compat_id, query.scope_id, query.block_keys
+            )
+            self.metrics.lookups.observe(len(query.block_keys), matched)
+            return answer
         result = await self.store.lookup(
-            request.compat_id, request.scope_id, request.block_keys, targets
+            query.compat_id, query.scope_id, query.block_keys, query.targets
         )
-        matched = result.matched
-        self.metrics.lookups.observe(len(request.block_keys), len(matched))
-        replicas = render_blocks(matched)
-        estimates = estimate_targets(targets, result.statuses, matched, request.block_tokens)
-        estimates_json = ",".join(e.model_dump_json(exclude_none=True) for e in estimates)
-        return b'{"matched":%d,"replicas":[%s],"estimates":[%s]}' % (
-            len(matched),
-            replicas,
-            estimates_json.encode(),
+        blocks = result.matched
+        self.metrics.lookups.observe(len(query.block_keys), len(blocks))
+        estimates = estimate_targets(query.targets, result.statuses, blocks, query.block_tokens)
+        return answer_json(
+            blocks, ",".join(e.model_dump_json(exclude_none=True) for e in estimates).encode()
         )
 
     async def put_status(self, principal: Principal, status: InstanceStatusRecord) -> None:

@@ -4,7 +4,9 @@ instance statuses with epoch rules, and who may do what (KVSP 6.1, 6.2, 6.3, 6.4
 Records are kept as the JSON the IS serves (with ``ttl_ms`` the TTL granted at the last
 publish or refresh), minus the identity members every record of a block shares, plus a shared
 ``ReplicaSummary`` for estimates; each block caches the JSON array of its replicas, so a lookup
-joins ready octets and never serialises a record. Expiry pops
+joins ready octets and never serialises a record. The blocks of a space are held in a compiled
+``KeyTable`` (block key -> block and its JSON array), which probes all keys of a lookup with
+overlapping memory accesses and assembles the answer in one copy. Expiry pops
 a heap of deadlines, so it costs O(expired), never a scan; refreshes leave stale heap entries
 behind, which are skipped when popped and compacted away when they outnumber the live ones.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import heapq
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvsp.auth import Principal, Role, authorize
@@ -23,12 +25,12 @@ from kvsp.core.cost import FetchPlanner, ReplicaSummary, recompute_us
 from kvsp.core.problems import CapacityExhausted, RecordError, StaleEpoch
 from kvsp.core.records import (
     InstanceStatusRecord,
-    LookupRequest,
     ReplicaRecord,
     ReplicaRef,
     TargetEstimate,
 )
 from kvsp.core.urls import canonical_url
+from kvsp.index._keytable import KeyTable
 
 __all__ = [
     "LOOKUP_ROLES",
@@ -42,6 +44,7 @@ __all__ = [
     "Space",
     "StatusTable",
     "StoredReplica",
+    "answer_json",
     "authorize_lookup",
     "authorize_publish",
     "authorize_status",
@@ -105,8 +108,9 @@ def record_tail(record: ReplicaRecord, ttl_ms: int) -> bytes:
 class StoredReplica:
     """One record as stored: where it belongs, its holder (canonical), its deadline on the
     store's clock, the tail of its served JSON (or the record, with its granted TTL, to render
-    it from when first served), and its cost summary (parsed on first use when the store has
-    none). Replicas order by deadline, so the expiry heap holds them directly."""
+    it from when first served, or ``None`` once its block's array holds it: see
+    ``BlockReplicas.release_tails``), and its cost summary (parsed on first use when the store
+    has none). Replicas order by deadline, so the expiry heap holds them directly."""
 
     __slots__ = ("_tail", "block_key", "expires_at", "holder", "space", "summary")
 
@@ -123,7 +127,7 @@ class StoredReplica:
         self.block_key = block_key
         self.holder = holder
         self.expires_at = expires_at
-        self._tail = tail
+        self._tail: bytes | ReplicaRecord | None = tail
         self.summary = summary
 
     def __lt__(self, other: StoredReplica) -> bool:
@@ -134,15 +138,15 @@ class StoredReplica:
         tail = self._tail
         if isinstance(tail, bytes):
             return tail
+        if tail is None:
+            raise LookupError("this replica's JSON is held in its block's array")
         rendered = self._tail = record_tail(tail, tail.ttl_ms)
         return rendered
 
-    def json(self) -> bytes:
-        return identity_prefix(self.space, self.block_key) + self.tail
-
     def get_summary(self) -> ReplicaSummary:
         if self.summary is None:
-            self.summary = ReplicaSummary.of(ReplicaRecord.parse(self.json()))
+            record = identity_prefix(self.space, self.block_key) + self.tail
+            self.summary = ReplicaSummary.of(ReplicaRecord.parse(record))
         return self.summary
 
 
@@ -155,12 +159,33 @@ class BlockReplicas:
         self.replicas = replicas
         self._rendered: bytes | None = None
 
+    def _prefix(self) -> bytes:
+        first = self.replicas[0]
+        return identity_prefix(first.space, first.block_key)
+
     def rendered(self) -> bytes:
         if self._rendered is None:
-            first = self.replicas[0]
-            prefix = identity_prefix(first.space, first.block_key)
+            prefix = self._prefix()
             self._rendered = b"[" + b",".join(prefix + r.tail for r in self.replicas) + b"]"
         return self._rendered
+
+    def release_tails(self) -> None:
+        """Let the rendered array be the only copy of the replicas' JSON (a store that keeps
+        the array anyway saves a third of its memory). The tails are cut back out of the array
+        before the replicas change: every record of the array begins with the block's
+        identity prefix, which cannot occur inside a record (a JSON string cannot hold an
+        unescaped quote), so ``,`` + prefix marks exactly the boundaries."""
+        self.rendered()
+        for replica in self.replicas:
+            replica._tail = None
+
+    def _restore_tails(self) -> None:
+        if self._rendered is None or self.replicas[0]._tail is not None:
+            return
+        prefix = self._prefix()
+        tails = self._rendered[1 + len(prefix) : -1].split(b"," + prefix)
+        for replica, tail in zip(self.replicas, tails, strict=True):
+            replica._tail = tail
 
     def find(self, holder: str) -> StoredReplica | None:
         for replica in self.replicas:
@@ -170,6 +195,7 @@ class BlockReplicas:
 
     def put(self, replica: StoredReplica) -> bool:
         """Add or replace the holder's replica; True if it is new."""
+        self._restore_tails()
         replicas = self.replicas
         self._rendered = None
         for i, r in enumerate(replicas):
@@ -183,6 +209,7 @@ class BlockReplicas:
         kept = tuple(r for r in self.replicas if r.holder != holder)
         if len(kept) == len(self.replicas):
             return False
+        self._restore_tails()
         self.replicas = kept
         self._rendered = None
         return True
@@ -191,6 +218,25 @@ class BlockReplicas:
 def render_blocks(blocks: Sequence[BlockReplicas]) -> bytes:
     """The ``replicas`` member of a lookup answer: one JSON array per matched block."""
     return b",".join([b._rendered or b.rendered() for b in blocks])
+
+
+# A lookup answer is _HEAD, the matched count, _MIDDLE, the replicas, _ESTIMATES, the estimates
+# and "]}"; ReplicaTable.answer assembles the same octets in compiled code.
+_HEAD = b'{"matched":'
+_MIDDLE = b',"replicas":['
+_ESTIMATES = b'],"estimates":['
+
+
+def answer_json(blocks: Sequence[BlockReplicas], estimates: bytes = b"") -> bytes:
+    """A whole lookup answer (KVSP 6.2) for the matched blocks and the estimates' JSON."""
+    return b"%s%d%s%s%s%s]}" % (
+        _HEAD,
+        len(blocks),
+        _MIDDLE,
+        render_blocks(blocks),
+        _ESTIMATES,
+        estimates,
+    )
 
 
 def check_path(record: ReplicaRecord, compat: str, scope: str, block_key: str) -> None:
@@ -207,9 +253,9 @@ def authorize_withdraw(principal: Principal, ref: ReplicaRef) -> None:
     authorize(principal, PUBLISH_ROLES, scope=ref.scope_id, holder=ref.holder)
 
 
-def authorize_lookup(principal: Principal, request: LookupRequest) -> None:
+def authorize_lookup(principal: Principal, scope_id: str) -> None:
     """Refused whether or not the scope holds anything, so a refusal reveals nothing."""
-    authorize(principal, LOOKUP_ROLES, scope=request.scope_id)
+    authorize(principal, LOOKUP_ROLES, scope=scope_id)
 
 
 def authorize_status(principal: Principal, status: InstanceStatusRecord) -> None:
@@ -228,7 +274,7 @@ class ReplicaTable:
         self._limits = limits
         self._render = render_at_publish
         # (compat, scope) -> block_key -> replicas: a lookup resolves its space once.
-        self._spaces: dict[Space, dict[str, BlockReplicas]] = {}
+        self._spaces: dict[Space, KeyTable[BlockReplicas]] = {}
         self._deadlines: list[StoredReplica] = []
         self._summaries: dict[ReplicaSummary, ReplicaSummary] = {}
         self._summary_of: dict[tuple[object, ...], ReplicaSummary] = {}
@@ -276,7 +322,9 @@ class ReplicaTable:
         ttl = min(record.ttl_ms, self._limits.max_ttl_ms)
         named = (record.compat_id, record.scope_id)
         space = self._space_names.setdefault(named, named)  # one tuple per space, shared
-        blocks = self._spaces.setdefault(space, {})
+        blocks = self._spaces.get(space)
+        if blocks is None:
+            blocks = self._spaces[space] = KeyTable()
         summary_key = (record.holder, record.size, record.layer_count, record.residency)
         summary = self._summary_of.get(summary_key)
         if summary is None:  # equal records share one summary, built once
@@ -284,10 +332,10 @@ class ReplicaTable:
             summary = self._summary_of[summary_key] = self._summaries.setdefault(built, built)
         block = blocks.get(record.block_key)
         if block is None:
-            block = blocks[record.block_key] = BlockReplicas(())
+            block = BlockReplicas(())
             block_key = record.block_key
         else:
-            block_key = block.replicas[0].block_key  # the dict's own key object, shared
+            block_key = block.replicas[0].block_key  # one key object per block, shared
         if self._render:
             tail: bytes | ReplicaRecord = record_tail(record, ttl)
         else:
@@ -296,6 +344,7 @@ class ReplicaTable:
             space, block_key, sys.intern(canonical_url(record.holder)), now + ttl, tail, summary
         )
         created = block.put(replica)
+        self._set(blocks, block)
         heapq.heappush(self._deadlines, replica)
         if created:
             self._count += 1
@@ -303,6 +352,14 @@ class ReplicaTable:
         if len(self._deadlines) > 2 * self._count + 1024:
             self._compact()
         return PublishOutcome(created, ttl)
+
+    def _set(self, blocks: KeyTable[BlockReplicas], block: BlockReplicas) -> None:
+        """(Re)enter a changed block with its JSON array, which lookups join."""
+        if self._render:
+            block.release_tails()
+            blocks.put(block.replicas[0].block_key, block, block.rendered())
+        else:
+            blocks.put(block.replicas[0].block_key, block, None)
 
     def withdraw(self, ref: ReplicaRef) -> bool:
         self.expire()
@@ -314,9 +371,11 @@ class ReplicaTable:
         if blocks is None or block is None or not block.remove(holder):
             return False
         if not block.replicas:
-            del blocks[block_key]
+            blocks.pop(block_key)
             if not blocks:
                 del self._spaces[space]
+        else:
+            self._set(blocks, block)
         self._count -= 1
         scope = space[1]
         remaining = self._by_scope[scope] - 1
@@ -348,17 +407,20 @@ class ReplicaTable:
         ]
         heapq.heapify(self._deadlines)
 
-    def lookup(self, compat: str, scope: str, block_keys: Iterable[str]) -> list[BlockReplicas]:
+    def lookup(self, compat: str, scope: str, block_keys: Sequence[str]) -> list[BlockReplicas]:
         """Replicas of the leading keys that have any, stopping at the first key without one."""
         self.expire()
         blocks = self._spaces.get((compat, scope))
+        return [] if blocks is None else blocks.prefix(block_keys)
+
+    def answer(self, compat: str, scope: str, block_keys: Sequence[str]) -> tuple[int, bytes]:
+        """The matched count and the whole lookup answer without estimates, as ``answer_json``
+        would render it, assembled from the blocks' cached arrays in one copy."""
+        self.expire()
+        blocks = self._spaces.get((compat, scope))
         if blocks is None:
-            return []
-        found = list(map(blocks.get, block_keys))  # a request is bounded; no early exit needed
-        try:
-            return found[: found.index(None)]  # type: ignore[return-value]
-        except ValueError:
-            return found  # type: ignore[return-value]
+            return 0, answer_json(())
+        return blocks.join_prefix(block_keys, _HEAD, _MIDDLE, b",", _ESTIMATES + b"]}")
 
 
 @dataclass(slots=True)

@@ -49,6 +49,7 @@ from kvsp.index.state import (
     ReplicaTable,
     StatusTable,
     StoredReplica,
+    answer_json,
     record_tail,
 )
 from kvsp.tasks import cancel_all
@@ -82,6 +83,10 @@ class ReplicaStore(Protocol):
     async def lookup(
         self, compat: str, scope: str, block_keys: Sequence[str], targets: Sequence[str]
     ) -> LookupResult: ...
+
+    async def answer(self, compat: str, scope: str, block_keys: Sequence[str]) -> tuple[int, bytes]:
+        """The matched count and the lookup answer without estimates (``answer_json``)."""
+        ...
 
     async def put_status(self, status: InstanceStatusRecord) -> None: ...
 
@@ -121,6 +126,9 @@ class MemoryReplicaStore:
             if status is not None:
                 statuses[canonical_url(target)] = status
         return LookupResult(matched, statuses)
+
+    async def answer(self, compat: str, scope: str, block_keys: Sequence[str]) -> tuple[int, bytes]:
+        return self.table.answer(compat, scope, block_keys)
 
     async def put_status(self, status: InstanceStatusRecord) -> None:
         self.statuses.put(status)
@@ -319,6 +327,10 @@ class RedisReplicaStore:
             if record is not None and deadline is not None and int(deadline) > now:
                 statuses[canonical_url(target)] = InstanceStatusRecord.parse(record)
         return LookupResult(matched, statuses)
+
+    async def answer(self, compat: str, scope: str, block_keys: Sequence[str]) -> tuple[int, bytes]:
+        matched = (await self.lookup(compat, scope, block_keys, ())).matched
+        return len(matched), answer_json(matched)
 
     async def put_status(self, status: InstanceStatusRecord) -> None:
         pipe = self._redis.pipeline(transaction=False)

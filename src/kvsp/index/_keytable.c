@@ -1,0 +1,580 @@
+/* KeyTable: the block-key table of the Index Service's memory store.
+ *
+ * A lookup probes every key of a prompt (64 and more) in a table of millions of blocks; held in
+ * a Python dict, each probe is a chain of dependent cache misses (index, entry, key object,
+ * value), about 0.8 us under load. This table keeps the 32 octets of each key inline in an
+ * open-addressing array, so a batch of keys is probed in passes that let the memory accesses of
+ * all keys overlap: hash every key and prefetch its slot, then compare and prefetch the values.
+ *
+ * Keys are 64 lowercase hex digits (str); the hash is CPython's keyed SipHash of the 32 octets,
+ * so published keys cannot be chosen to collide. Linear probing at a load of at most 1/2, with
+ * backward-shift deletion (no tombstones). Each slot holds a value (any object) and a payload
+ * (bytes or None) that lookups join without touching the value.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+
+typedef struct {
+    uint64_t key[4];
+    PyObject *value;   /* NULL marks an empty slot */
+    PyObject *payload; /* owned, Py_None when absent */
+} Slot;
+
+typedef struct {
+    PyObject_HEAD
+    Slot *slots;
+    size_t mask;
+    Py_ssize_t used;
+} KeyTable;
+
+static int8_t hexval[256];
+
+/* The 32 octets of a key, or -1 with ValueError/TypeError set. */
+static int
+parse_key(PyObject *text, uint64_t out[4])
+{
+    if (!PyUnicode_Check(text)) {
+        PyErr_Format(PyExc_TypeError, "block key must be str, not %.80s", Py_TYPE(text)->tp_name);
+        return -1;
+    }
+    if (PyUnicode_KIND(text) != PyUnicode_1BYTE_KIND || PyUnicode_GET_LENGTH(text) != 64) {
+        PyErr_SetString(PyExc_ValueError, "block key must be 64 lowercase hex digits");
+        return -1;
+    }
+    const unsigned char *s = PyUnicode_1BYTE_DATA(text);
+    unsigned char octets[32];
+    int bad = 0;
+    for (int i = 0; i < 32; i++) {
+        int hi = hexval[s[2 * i]], lo = hexval[s[2 * i + 1]];
+        bad |= hi | lo;
+        octets[i] = (unsigned char)((hi << 4) | lo);
+    }
+    if (bad < 0) {
+        PyErr_SetString(PyExc_ValueError, "block key must be 64 lowercase hex digits");
+        return -1;
+    }
+    memcpy(out, octets, 32);
+    return 0;
+}
+
+/* Secret per process, from CPython's hash secret (so PYTHONHASHSEED governs it as it does
+ * dicts): keys published by a client cannot be chosen to collide without knowing it. */
+static uint64_t secret[4];
+
+static inline uint64_t
+mix(uint64_t a, uint64_t b)
+{
+    __uint128_t product = (__uint128_t)a * b;
+    return (uint64_t)product ^ (uint64_t)(product >> 64);
+}
+
+static inline size_t
+hash_key(const uint64_t key[4])
+{
+    return (size_t)(mix(key[0] ^ secret[0], key[1] ^ secret[1])
+                    ^ mix(key[2] ^ secret[2], key[3] ^ secret[3]));
+}
+
+static inline int
+same_key(const uint64_t *a, const uint64_t *b)
+{
+    return ((a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3])) == 0;
+}
+
+/* The slot holding key, or the empty slot where it would go. */
+static Slot *
+find_slot(Slot *slots, size_t mask, const uint64_t key[4], size_t hash)
+{
+    size_t i = hash & mask;
+    for (;;) {
+        Slot *slot = &slots[i];
+        if (slot->value == NULL || same_key(slot->key, key)) {
+            return slot;
+        }
+        i = (i + 1) & mask;
+    }
+}
+
+/* Slot arrays come from mmap (zeroed), with transparent huge pages asked for: a probe then
+ * rarely misses the TLB as well as the caches. */
+static Slot *
+alloc_slots(size_t capacity)
+{
+    void *p = mmap(NULL, capacity * sizeof(Slot), PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+        return NULL;
+    }
+#ifdef MADV_HUGEPAGE
+    madvise(p, capacity * sizeof(Slot), MADV_HUGEPAGE);
+#endif
+    return p;
+}
+
+static void
+free_slots(Slot *slots, size_t capacity)
+{
+    munmap(slots, capacity * sizeof(Slot));
+}
+
+static int
+resize(KeyTable *self, size_t capacity)
+{
+    Slot *fresh = alloc_slots(capacity);
+    if (fresh == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (self->slots != NULL) {
+        for (size_t i = 0; i <= self->mask; i++) {
+            Slot *old = &self->slots[i];
+            if (old->value != NULL) {
+                *find_slot(fresh, capacity - 1, old->key, hash_key(old->key)) = *old;
+            }
+        }
+        free_slots(self->slots, self->mask + 1);
+    }
+    self->slots = fresh;
+    self->mask = capacity - 1;
+    return 0;
+}
+
+static PyObject *
+KeyTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, ":KeyTable", kwlist)) {
+        return NULL;
+    }
+    KeyTable *self = (KeyTable *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    if (resize(self, 8) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static int
+KeyTable_traverse(KeyTable *self, visitproc visit, void *arg)
+{
+    if (self->slots != NULL) {
+        for (size_t i = 0; i <= self->mask; i++) {
+            Py_VISIT(self->slots[i].value);
+            Py_VISIT(self->slots[i].payload);
+        }
+    }
+    return 0;
+}
+
+static int
+KeyTable_clear(KeyTable *self)
+{
+    if (self->slots != NULL) {
+        Slot *slots = self->slots;
+        size_t mask = self->mask;
+        self->slots = NULL;
+        self->used = 0;
+        for (size_t i = 0; i <= mask; i++) {
+            Py_XDECREF(slots[i].value);
+            Py_XDECREF(slots[i].payload);
+        }
+        free_slots(slots, mask + 1);
+    }
+    return 0;
+}
+
+static void
+KeyTable_dealloc(KeyTable *self)
+{
+    PyObject_GC_UnTrack(self);
+    KeyTable_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static Py_ssize_t
+KeyTable_len(KeyTable *self)
+{
+    return self->used;
+}
+
+static PyObject *
+KeyTable_get(KeyTable *self, PyObject *text)
+{
+    uint64_t key[4];
+    if (parse_key(text, key) < 0) {
+        return NULL;
+    }
+    if (self->slots == NULL) {
+        Py_RETURN_NONE;
+    }
+    Slot *slot = find_slot(self->slots, self->mask, key, hash_key(key));
+    return Py_NewRef(slot->value != NULL ? slot->value : Py_None);
+}
+
+static PyObject *
+KeyTable_put(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "put(key, value, payload) takes 3 arguments");
+        return NULL;
+    }
+    PyObject *value = args[1], *payload = args[2];
+    if (value == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "a KeyTable value cannot be None");
+        return NULL;
+    }
+    if (payload != Py_None && !PyBytes_CheckExact(payload)) {
+        PyErr_SetString(PyExc_TypeError, "payload must be bytes or None");
+        return NULL;
+    }
+    uint64_t key[4];
+    if (parse_key(args[0], key) < 0) {
+        return NULL;
+    }
+    if (self->slots == NULL && resize(self, 8) < 0) {
+        return NULL;
+    }
+    size_t hash = hash_key(key);
+    Slot *slot = find_slot(self->slots, self->mask, key, hash);
+    if (slot->value == NULL) {
+        if ((size_t)(self->used + 1) * 2 > self->mask + 1) {
+            if (resize(self, (self->mask + 1) * 2) < 0) {
+                return NULL;
+            }
+            slot = find_slot(self->slots, self->mask, key, hash);
+        }
+        memcpy(slot->key, key, 32);
+        slot->value = Py_NewRef(value);
+        slot->payload = Py_NewRef(payload);
+        self->used++;
+    }
+    else {
+        Py_SETREF(slot->value, Py_NewRef(value));
+        Py_SETREF(slot->payload, Py_NewRef(payload));
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+KeyTable_pop(KeyTable *self, PyObject *text)
+{
+    uint64_t key[4];
+    if (parse_key(text, key) < 0) {
+        return NULL;
+    }
+    if (self->slots == NULL) {
+        Py_RETURN_NONE;
+    }
+    size_t mask = self->mask;
+    Slot *slots = self->slots;
+    Slot *hole = find_slot(slots, mask, key, hash_key(key));
+    if (hole->value == NULL) {
+        Py_RETURN_NONE;
+    }
+    PyObject *value = hole->value;
+    Py_DECREF(hole->payload);
+    /* backward shift: move later entries of the run into the hole when their home allows */
+    size_t i = (size_t)(hole - slots), j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        Slot *next = &slots[j];
+        if (next->value == NULL) {
+            break;
+        }
+        size_t home = hash_key(next->key) & mask;
+        /* next may move to i unless its home lies cyclically in (i, j] */
+        int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
+        if (!stays) {
+            slots[i] = *next;
+            i = j;
+        }
+    }
+    slots[i].value = NULL;
+    slots[i].payload = NULL;
+    self->used--;
+    return value; /* the table's reference passes to the caller */
+}
+
+#define BATCH 64
+#define PAYLOAD_LINES 8
+
+/* Probe keys[start:stop] (at most BATCH), overlapping their memory accesses; stores the
+ * matched slots of the leading present keys in found and returns how many, or -1. */
+static Py_ssize_t
+probe_batch(KeyTable *self, PyObject **keys, Py_ssize_t n, Slot **found)
+{
+    uint64_t parsed[BATCH][4];
+    size_t home[BATCH];
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (parse_key(keys[k], parsed[k]) < 0) {
+            return -1;
+        }
+        home[k] = hash_key(parsed[k]) & self->mask;
+        __builtin_prefetch(&self->slots[home[k]]);
+        __builtin_prefetch((char *)&self->slots[home[k]] + sizeof(Slot) - 1);
+    }
+    Py_ssize_t matched = 0;
+    for (; matched < n; matched++) {
+        Slot *slot = find_slot(self->slots, self->mask, parsed[matched], home[matched]);
+        if (slot->value == NULL) {
+            break;
+        }
+        /* the payload's first lines, before its size is known: a block's array is usually a
+         * single record of a few hundred octets (prefetching past an object cannot fault) */
+        const char *payload = (const char *)slot->payload;
+        for (int line = 0; line < PAYLOAD_LINES; line++) {
+            __builtin_prefetch(payload + 64 * line);
+        }
+        found[matched] = slot;
+    }
+    return matched;
+}
+
+/* The leading keys' slots, in batches; returns a PyMem array (caller frees) and its length. */
+static Slot **
+probe_prefix(KeyTable *self, PyObject *keys_arg, Py_ssize_t *matched_out, PyObject **seq_out)
+{
+    PyObject *seq = PySequence_Fast(keys_arg, "block keys must be a sequence");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Slot **found = PyMem_Malloc(sizeof(Slot *) * (size_t)(n > 0 ? n : 1));
+    if (found == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    Py_ssize_t matched = 0;
+    for (Py_ssize_t start = 0; start < n; start += BATCH) {
+        Py_ssize_t size = n - start < BATCH ? n - start : BATCH;
+        Py_ssize_t got = probe_batch(self, items + start, size, found + start);
+        if (got < 0) {
+            PyMem_Free(found);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        matched += got;
+        if (got < size) {
+            break;
+        }
+    }
+    *matched_out = matched;
+    *seq_out = seq;
+    return found;
+}
+
+static PyObject *
+KeyTable_prefix(KeyTable *self, PyObject *keys_arg)
+{
+    Py_ssize_t matched;
+    PyObject *seq;
+    Slot **found = probe_prefix(self, keys_arg, &matched, &seq);
+    if (found == NULL) {
+        return NULL;
+    }
+    PyObject *out = PyList_New(matched);
+    if (out != NULL) {
+        for (Py_ssize_t k = 0; k < matched; k++) {
+            PyList_SET_ITEM(out, k, Py_NewRef(found[k]->value));
+        }
+    }
+    PyMem_Free(found);
+    Py_DECREF(seq);
+    return out;
+}
+
+/* join_prefix(keys, head, middle, sep, tail)
+ *   -> (matched, head + decimal(matched) + middle + sep.join(payloads) + tail)
+ * The whole answer in one allocation: every payload is copied once, its lines prefetched
+ * first. Raises LookupError when a matched key has no payload. */
+static PyObject *
+KeyTable_join_prefix(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "join_prefix(keys, head, middle, sep, tail) takes 5 arguments");
+        return NULL;
+    }
+    for (int a = 1; a < 5; a++) {
+        if (!PyBytes_CheckExact(args[a])) {
+            PyErr_SetString(PyExc_TypeError, "head, middle, sep and tail must be bytes");
+            return NULL;
+        }
+    }
+    Py_ssize_t matched;
+    PyObject *seq;
+    Slot **found = probe_prefix(self, args[0], &matched, &seq);
+    if (found == NULL) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    PyObject *sep = args[3];
+    char count[32];
+    Py_ssize_t count_len = (Py_ssize_t)snprintf(count, sizeof(count), "%zd", matched);
+    Py_ssize_t sep_len = PyBytes_GET_SIZE(sep);
+    Py_ssize_t total = count_len;
+    for (int a = 1; a < 5; a++) {
+        total += a == 3 ? 0 : PyBytes_GET_SIZE(args[a]);
+    }
+    for (Py_ssize_t k = 0; k < matched; k++) {
+        PyObject *payload = found[k]->payload;
+        if (payload == Py_None) {
+            PyErr_SetString(PyExc_LookupError, "a matched key has no payload");
+            goto done;
+        }
+        const char *data = PyBytes_AS_STRING(payload);
+        Py_ssize_t size = PyBytes_GET_SIZE(payload);
+        for (Py_ssize_t line = 64 * PAYLOAD_LINES; line < size; line += 64) {
+            __builtin_prefetch(data + line);
+        }
+        total += size + (k ? sep_len : 0);
+    }
+    PyObject *joined = PyBytes_FromStringAndSize(NULL, total);
+    if (joined == NULL) {
+        goto done;
+    }
+    char *p = PyBytes_AS_STRING(joined);
+#define APPEND(src, len)                        \
+    do {                                        \
+        memcpy(p, (src), (size_t)(len));        \
+        p += (len);                             \
+    } while (0)
+    APPEND(PyBytes_AS_STRING(args[1]), PyBytes_GET_SIZE(args[1]));
+    APPEND(count, count_len);
+    APPEND(PyBytes_AS_STRING(args[2]), PyBytes_GET_SIZE(args[2]));
+    for (Py_ssize_t k = 0; k < matched; k++) {
+        if (k) {
+            APPEND(PyBytes_AS_STRING(sep), sep_len);
+        }
+        PyObject *payload = found[k]->payload;
+        APPEND(PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload));
+    }
+    APPEND(PyBytes_AS_STRING(args[4]), PyBytes_GET_SIZE(args[4]));
+#undef APPEND
+    result = Py_BuildValue("(nN)", matched, joined);
+done:
+    PyMem_Free(found);
+    Py_DECREF(seq);
+    return result;
+}
+
+static PyObject *
+KeyTable_values(KeyTable *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *out = PyList_New(self->used);
+    if (out == NULL) {
+        return NULL;
+    }
+    Py_ssize_t k = 0;
+    for (size_t i = 0; self->slots != NULL && i <= self->mask; i++) {
+        if (self->slots[i].value != NULL) {
+            PyList_SET_ITEM(out, k++, Py_NewRef(self->slots[i].value));
+        }
+    }
+    return out;
+}
+
+static PyMethodDef KeyTable_methods[] = {
+    {"get", (PyCFunction)KeyTable_get, METH_O, "The value of a key, or None."},
+    {"put", (PyCFunction)(void (*)(void))KeyTable_put, METH_FASTCALL,
+     "Set a key's value and payload (bytes or None)."},
+    {"pop", (PyCFunction)KeyTable_pop, METH_O, "Remove a key; its value, or None."},
+    {"prefix", (PyCFunction)KeyTable_prefix, METH_O,
+     "Values of the leading keys present, stopping at the first absent one."},
+    {"join_prefix", (PyCFunction)(void (*)(void))KeyTable_join_prefix, METH_FASTCALL,
+     "(matched, head + str(matched) + middle + sep.join(payloads) + tail) of the\n"
+     "leading keys present."},
+    {"values", (PyCFunction)KeyTable_values, METH_NOARGS, "Every value, in no order."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods KeyTable_as_sequence = {
+    .sq_length = (lenfunc)KeyTable_len,
+};
+
+static PyTypeObject KeyTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvsp.index._keytable.KeyTable",
+    .tp_basicsize = sizeof(KeyTable),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Block key (64 lowercase hex digits) -> value and payload, probed in batches.",
+    .tp_new = KeyTable_new,
+    .tp_dealloc = (destructor)KeyTable_dealloc,
+    .tp_traverse = (traverseproc)KeyTable_traverse,
+    .tp_clear = (inquiry)KeyTable_clear,
+    .tp_as_sequence = &KeyTable_as_sequence,
+    .tp_methods = KeyTable_methods,
+};
+
+/* check_keys(keys): ValueError naming the first key that is not 64 lowercase hex digits. */
+static PyObject *
+check_keys(PyObject *Py_UNUSED(module), PyObject *keys_arg)
+{
+    PyObject *seq = PySequence_Fast(keys_arg, "block keys must be a sequence");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    uint64_t key[4];
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (parse_key(items[k], key) < 0) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "block key %zd is not 64 lowercase hex digits", k);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"check_keys", (PyCFunction)check_keys, METH_O,
+     "Raise ValueError unless every key is 64 lowercase hex digits."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvsp.index._keytable",
+    .m_doc = "The Index Service's block-key table (see KeyTable).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__keytable(void)
+{
+    memset(hexval, -1, sizeof(hexval));
+    for (int c = '0'; c <= '9'; c++) hexval[c] = (int8_t)(c - '0');
+    for (int c = 'a'; c <= 'f'; c++) hexval[c] = (int8_t)(c - 'a' + 10);
+    uint64_t seed[2] = {(uint64_t)_Py_HashSecret.siphash.k0, (uint64_t)_Py_HashSecret.siphash.k1};
+    for (int i = 0; i < 4; i++) {
+        /* splitmix64 steps: four well-mixed words from the two of the hash secret */
+        uint64_t z = seed[i & 1] + 0x9e3779b97f4a7c15ULL * (uint64_t)(i + 1);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+        secret[i] = (z ^ (z >> 31)) | 1;
+    }
+    if (PyType_Ready(&KeyTableType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(m, "KeyTable", (PyObject *)&KeyTableType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,127 @@
+"""Lookup bodies: ``decode_lookup`` accepts exactly what ``LookupRequest`` accepts, and means the
+same by it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from kvsp.core.problems import RecordError
+from kvsp.core.records import MAX_KEYS_PER_REQUEST, LookupRequest
+from kvsp.index.queries import LookupBody, decode_lookup
+from tests.index.factories import COMPAT, SCOPE_A, key
+
+HEXISH = st.text(alphabet="0123456789abcdefABCDEF g\n", min_size=0, max_size=70)
+ids32 = st.one_of(st.just(SCOPE_A), st.just(SCOPE_A), HEXISH, st.integers(), st.none())
+ids64 = st.one_of(st.just(COMPAT), st.just(COMPAT), st.just(COMPAT.upper()), HEXISH)
+block_key = st.one_of(
+    st.builds(key, st.integers(0, 1000)),
+    st.builds(lambda k: k + "\n", st.builds(key, st.integers(0, 9))),
+    HEXISH,
+    st.integers(),
+    st.none(),
+)
+block_keys = st.one_of(
+    st.lists(st.builds(key, st.integers(0, 1000)), max_size=8),
+    st.lists(block_key, max_size=5),
+    st.just("not a list"),
+)
+targets = st.one_of(
+    st.none(),
+    st.lists(st.sampled_from(["http://127.0.0.1:9201/kvsp/", "not a url", "ftp://x/"]), max_size=3),
+    st.just([3]),
+)
+block_tokens = st.one_of(
+    st.none(),
+    st.integers(-2, 3),
+    st.just(1 << 20),
+    st.just((1 << 20) + 1),
+    st.just(1.0),
+    st.just(True),
+    st.just("16"),
+    st.just(10**30),
+)
+
+
+@st.composite
+def bodies(draw: st.DrawFn) -> dict[str, Any]:
+    doc: dict[str, Any] = {}
+    for name, values in (
+        ("scope_id", ids32),
+        ("compat_id", ids64),
+        ("block_keys", block_keys),
+        ("targets", targets),
+        ("block_tokens", block_tokens),
+        ("unknown", st.integers()),
+    ):
+        if draw(st.booleans()) or name in ("scope_id", "compat_id", "block_keys"):
+            doc[name] = draw(values)
+    return doc
+
+
+def meaning(query: Any) -> tuple[Any, ...]:
+    return (
+        query.scope_id,
+        query.compat_id,
+        tuple(query.block_keys),
+        None if query.targets is None else tuple(str(t) for t in query.targets),
+        query.block_tokens,
+    )
+
+
+@settings(max_examples=400)
+@given(bodies())
+def test_decode_lookup_agrees_with_the_record_model(doc: dict[str, Any]) -> None:
+    body = json.dumps(doc).encode()
+    try:
+        expected: tuple[Any, ...] | None = meaning(LookupRequest.parse(body))
+    except RecordError:
+        expected = None
+    try:
+        got: tuple[Any, ...] | None = meaning(decode_lookup(body))
+    except RecordError:
+        got = None
+    event("accepted" if expected is not None else "refused")
+    assert got == expected
+
+
+def test_a_body_without_targets_is_decoded_without_the_model() -> None:
+    body = json.dumps({"scope_id": SCOPE_A, "compat_id": COMPAT, "block_keys": [key(0)]})
+    query = decode_lookup(body.encode())
+    assert isinstance(query, LookupBody)
+    assert meaning(query) == (SCOPE_A, COMPAT, (key(0),), None, None)
+    with_targets = json.dumps(
+        {"scope_id": SCOPE_A, "compat_id": COMPAT, "block_keys": [], "targets": []}
+    )
+    assert isinstance(decode_lookup(with_targets.encode()), LookupRequest)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"[]",
+        b"{",
+        b"\xff",
+        json.dumps({"scope_id": SCOPE_A, "compat_id": COMPAT}).encode(),
+        json.dumps(
+            {"scope_id": SCOPE_A, "compat_id": COMPAT, "block_keys": [key(0)] * 2 + ["x"]}
+        ).encode(),
+        json.dumps(
+            {
+                "scope_id": SCOPE_A,
+                "compat_id": COMPAT,
+                "block_keys": [key(0)] * (MAX_KEYS_PER_REQUEST + 1),
+            }
+        ).encode(),
+    ],
+)
+def test_malformed_bodies_are_record_errors(body: bytes) -> None:
+    with pytest.raises(RecordError):
+        LookupRequest.parse(body)
+    with pytest.raises(RecordError, match="LookupRequest"):
+        decode_lookup(body)

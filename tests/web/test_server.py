@@ -1,0 +1,61 @@
+"""``ExactRoutes``: routes served ahead of Starlette answer errors exactly as Starlette's
+handlers do, and everything else still reaches the app."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from kvsp.core.problems import RecordError
+from kvsp.web.server import AsgiEndpoint, ExactRoutes, install_problem_handlers, send_json
+
+pytestmark = pytest.mark.anyio
+
+
+async def fine(scope: Scope, receive: Receive, send: Send) -> None:
+    await send_json(send, b'{"ok":true}')
+
+
+async def refuses(scope: Scope, receive: Receive, send: Send) -> None:
+    raise RecordError("no such thing")
+
+
+async def breaks(scope: Scope, receive: Receive, send: Send) -> None:
+    raise RuntimeError("a bug")
+
+
+async def test_exact_routes_and_their_errors(caplog: pytest.LogCaptureFixture) -> None:
+    endpoints = {path: AsgiEndpoint(h) for path, h in (("/ok", fine), ("/bad", refuses))}
+    endpoints["/bug"] = AsgiEndpoint(breaks)
+    app = Starlette(routes=[Route(p, e, methods=["POST"]) for p, e in endpoints.items()])
+    rejected: list[str] = []
+    responder = install_problem_handlers(app, logging.getLogger("kvsp.test"), rejected.append)
+    exact = ExactRoutes(app, {("POST", p): e for p, e in endpoints.items()}, responder)
+    transport = httpx.ASGITransport(app=exact, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        caplog.set_level(logging.INFO, "kvsp.test")
+        assert (await client.post("/ok")).json() == {"ok": True}
+        bad = await client.post("/bad")
+        assert bad.status_code == 400
+        assert bad.headers["content-type"] == "application/problem+json"
+        assert bad.json()["detail"] == "no such thing"
+        assert bad.json()["instance"] == "/bad"
+        bug = await client.post("/bug")
+        assert bug.status_code == 500
+        assert "a bug" not in bug.text
+        assert (await client.get("/ok")).status_code == 405  # Starlette's router, as before
+        assert (await client.post("/nothing")).status_code == 404
+    assert rejected == [
+        "kvsp-invalid-record",
+        "kvsp-internal",
+        "kvsp-method-not-allowed",
+        "kvsp-not-found",
+    ]
+    failures = [r for r in caplog.records if r.name == "kvsp.test"]
+    assert len(failures) == 4
+    assert failures[1].exc_info is not None
