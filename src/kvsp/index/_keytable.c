@@ -203,18 +203,30 @@ KeyTable_len(KeyTable *self)
     return self->used;
 }
 
-static PyObject *
-KeyTable_get(KeyTable *self, PyObject *text)
+/* The slot holding the key named by text, or NULL when it is absent; -1 on a malformed key. */
+static int
+locate(KeyTable *self, PyObject *text, Slot **out)
 {
     uint64_t key[4];
     if (parse_key(text, key) < 0) {
+        return -1;
+    }
+    Slot *slot = NULL;
+    if (self->slots != NULL) { /* NULL only after the garbage collector cleared the table */
+        slot = find_slot(self->slots, self->mask, key, hash_key(key));
+    }
+    *out = slot != NULL && slot->value != NULL ? slot : NULL;
+    return 0;
+}
+
+static PyObject *
+KeyTable_get(KeyTable *self, PyObject *text)
+{
+    Slot *slot;
+    if (locate(self, text, &slot) < 0) {
         return NULL;
     }
-    if (self->slots == NULL) {
-        Py_RETURN_NONE;
-    }
-    Slot *slot = find_slot(self->slots, self->mask, key, hash_key(key));
-    return Py_NewRef(slot->value != NULL ? slot->value : Py_None);
+    return Py_NewRef(slot != NULL ? slot->value : Py_None);
 }
 
 static PyObject *
@@ -264,19 +276,15 @@ KeyTable_put(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 KeyTable_pop(KeyTable *self, PyObject *text)
 {
-    uint64_t key[4];
-    if (parse_key(text, key) < 0) {
+    Slot *hole;
+    if (locate(self, text, &hole) < 0) {
         return NULL;
     }
-    if (self->slots == NULL) {
+    if (hole == NULL) {
         Py_RETURN_NONE;
     }
     size_t mask = self->mask;
     Slot *slots = self->slots;
-    Slot *hole = find_slot(slots, mask, key, hash_key(key));
-    if (hole->value == NULL) {
-        Py_RETURN_NONE;
-    }
     PyObject *value = hole->value;
     Py_DECREF(hole->payload);
     /* backward shift: move later entries of the run into the hole when their home allows */
