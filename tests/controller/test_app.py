@@ -3,8 +3,10 @@ stand-in instances served by uvicorn, and the controller's own routes."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import gc
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -342,3 +344,19 @@ async def test_6_4_a_new_instance_is_launched_and_sent_a_prefetch_directive_at_o
     assert launcher.launched == 1
     (directive,) = env.stand_ins[env.urls[2]].of("prefetch")
     assert [b["block_key"] for b in directive["blocks"]] == env.keys()[:4]
+
+
+async def test_a_peer_failing_background_work_is_logged_not_left_in_a_task(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    await env.report(0)
+    assert (await env.place(session=SESSION))["instance"] == env.urls[0]
+    # the stand-in has no session route: ending the session there fails in the background
+    env.service.forget_session(SESSION)
+    while env.service._tasks[1:]:  # the ticker stays
+        await asyncio.sleep(0.01)
+    gc.collect()  # an exception nobody retrieved would be reported now
+    await asyncio.sleep(0)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "kvsp.controller"]
+    assert any(f"session {SESSION} not ended at {env.urls[0]}" in w for w in warnings)
+    assert not [r for r in caplog.records if r.name == "asyncio"]

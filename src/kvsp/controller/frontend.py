@@ -46,6 +46,7 @@ from kvsp.core.problems import InvalidInput, KvspError, ServiceUnavailable, Unau
 from kvsp.core.records import Sampler
 from kvsp.core.urls import canonical_url
 from kvsp.instance.model import MODEL_NAME, ModelFiles
+from kvsp.web.client import KEEPALIVE_EXPIRY_S, auth_headers
 from kvsp.web.server import header_value, read_json_body
 
 __all__ = [
@@ -154,9 +155,11 @@ class FrontEnd:
         self.compat_id = compat_id
         self.model = model
         self.stop_ids = stop_ids
-        headers = {} if instance_token is None else {"authorization": f"Bearer {instance_token}"}
         self.http = httpx.AsyncClient(
-            headers=headers, timeout=httpx.Timeout(30.0, read=120.0), transport=transport
+            headers=auth_headers(instance_token),
+            timeout=httpx.Timeout(30.0, read=120.0),
+            transport=transport,
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
 
     async def aclose(self) -> None:

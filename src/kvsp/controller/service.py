@@ -356,14 +356,23 @@ class ControllerService:
                 now = self.clock.now_ms()
                 planned = self.session_hints.turn_started(entry.session, entry.instance, now)
                 if planned:  # the KV moves with the session, while the request is placed
-                    self._background(self._send_hints(entry.session, planned))
+                    self._background(
+                        self._send_hints(entry.session, planned),
+                        f"hints for session {entry.session}",
+                    )
         return placement
 
     # -- KvHints (session-aware KV) ------------------------------------------------------------
 
-    def _background(self, work: Coroutine[Any, Any, object]) -> None:
+    def _background(self, work: Coroutine[Any, Any, object], what: str) -> None:
+        """Run ``work`` beside the request that caused it; a peer's failure is logged (one
+        line, ``what`` failed), never left in a task nobody awaits."""
+
         async def run() -> None:
-            await work
+            try:
+                await work
+            except KvspError as exc:
+                log.warning("%s: %s", what, exc.detail)
 
         task = asyncio.create_task(run())
         self._tasks.append(task)
@@ -408,7 +417,10 @@ class ControllerService:
         entry = self.sessions.close(session)
         if self.session_hints is not None:
             self.session_hints.forget(session)
-        self._background(self.peers.end_session(entry.instance, session))
+        self._background(
+            self.peers.end_session(entry.instance, session),
+            f"session {session} not ended at {entry.instance}",
+        )
 
     async def _send_hints(
         self, session: str, planned: Sequence[PlannedHint], entry: SessionHints | None = None

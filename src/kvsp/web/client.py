@@ -17,6 +17,7 @@ from kvsp.core.problems import PROBLEM_TYPE_BASE, KvspError, ServiceUnavailable,
 from kvsp.core.registries import JSON_MEDIA_TYPE
 
 __all__ = [
+    "KEEPALIVE_EXPIRY_S",
     "ClosingClient",
     "JsonClient",
     "auth_headers",
@@ -29,6 +30,11 @@ _BY_SLUG = problem_types()
 
 #: httpx errors that mean "the peer is not there right now".
 transport_errors = (httpx.TransportError,)
+
+#: How long an idle connection is kept for reuse: shorter than the 5 s after which kvsp's
+#: services (uvicorn) close idle connections, so a request is never sent on a connection the
+#: service is closing at that moment (which fails it with a read error).
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 class ClosingClient:
@@ -70,6 +76,7 @@ class JsonClient(ClosingClient):
             headers={**auth_headers(token), "content-type": JSON_MEDIA_TYPE},
             timeout=timeout_s,
             transport=transport,
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
 
     async def aclose(self) -> None:
