@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsp.index._keytable import KeyTable, check_keys
+from kvsp.index._keytable import KeyTable, check_keys, is_hex
 
 
 def key(n: int) -> str:
@@ -149,3 +149,36 @@ def test_the_table_releases_its_values_and_takes_part_in_garbage_collection() ->
     del cyclic, inner
     gc.collect()
     assert cycle_ref() is None
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0123456789abcdef" * 2, True),
+        ("", True),
+        ("0123456789abcdeF" * 2, False),
+        ("0123456789abcdeg", False),
+        ("01234567 9abcdef", False),
+        ("0123456", False),  # not a multiple of 8
+        ("é" * 8, False),
+        ("\u0660" * 8, False),
+        ("/:`@" * 2, False),  # the neighbours of the digit and letter ranges
+    ],
+)
+def test_is_hex(text: str, expected: bool) -> None:
+    assert is_hex(text) is expected
+
+
+@given(st.binary(min_size=32, max_size=32))
+def test_hex_decoding_agrees_with_bytes_fromhex(octets: bytes) -> None:
+    table: KeyTable[int] = KeyTable()
+    table.put(octets.hex(), 1, None)
+    assert table.prefix(octets) == [1]  # packed form: the same key
+    assert check_keys([octets.hex()]) is None
+
+
+def test_packed_keys_come_in_whole_keys() -> None:
+    table: KeyTable[int] = KeyTable()
+    with pytest.raises(ValueError, match="32 octets"):
+        table.prefix(b"\0" * 31)
+    assert table.prefix(b"") == []

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvsp.core.problems import RecordError
 from kvsp.core.records import MAX_KEYS_PER_REQUEST, LookupRequest
-from kvsp.index.queries import LookupBody, decode_lookup
+from kvsp.index.queries import Lookup, decode_lookup
 from tests.index.factories import COMPAT, SCOPE_A, key
 
 HEXISH = st.text(alphabet="0123456789abcdefABCDEF g\n", min_size=0, max_size=70)
@@ -73,10 +73,21 @@ def meaning(query: Any) -> tuple[Any, ...]:
     )
 
 
-@settings(max_examples=400)
-@given(bodies())
-def test_decode_lookup_agrees_with_the_record_model(doc: dict[str, Any]) -> None:
-    body = json.dumps(doc).encode()
+def encode(doc: dict[str, Any], style: str) -> bytes:
+    """The same document written compactly, spread over lines, or with a key's first ``a``
+    as a JSON escape (the same string once decoded)."""
+    if style == "indent":
+        return json.dumps(doc, indent=2).encode()
+    text = json.dumps(doc, separators=(",", ":"))
+    if style == "escaped":
+        text = text.replace('a"', '\\u0061"', 1)
+    return text.encode()
+
+
+@settings(max_examples=500)
+@given(bodies(), st.sampled_from(["compact", "indent", "escaped"]))
+def test_decode_lookup_agrees_with_the_record_model(doc: dict[str, Any], style: str) -> None:
+    body = encode(doc, style)
     try:
         expected: tuple[Any, ...] | None = meaning(LookupRequest.parse(body))
     except RecordError:
@@ -92,7 +103,7 @@ def test_decode_lookup_agrees_with_the_record_model(doc: dict[str, Any]) -> None
 def test_a_body_without_targets_is_decoded_without_the_model() -> None:
     body = json.dumps({"scope_id": SCOPE_A, "compat_id": COMPAT, "block_keys": [key(0)]})
     query = decode_lookup(body.encode())
-    assert isinstance(query, LookupBody)
+    assert isinstance(query, Lookup)
     assert meaning(query) == (SCOPE_A, COMPAT, (key(0),), None, None)
     with_targets = json.dumps(
         {"scope_id": SCOPE_A, "compat_id": COMPAT, "block_keys": [], "targets": []}
@@ -125,3 +136,16 @@ def test_malformed_bodies_are_record_errors(body: bytes) -> None:
         LookupRequest.parse(body)
     with pytest.raises(RecordError, match="LookupRequest"):
         decode_lookup(body)
+
+
+def test_keys_written_with_escapes_or_spread_over_lines_mean_the_same() -> None:
+    keys = [key(n) for n in range(3)]
+    plain = {"scope_id": SCOPE_A, "compat_id": COMPAT, "block_keys": keys}
+    escaped = json.dumps(plain).replace(keys[1], f"\\u{ord(keys[1][0]):04x}{keys[1][1:]}")
+    assert "\\u00" in escaped
+    for body in (json.dumps(plain), json.dumps(plain, indent=4), escaped):
+        query = decode_lookup(body.encode())
+        assert list(query.block_keys) == keys
+        assert query.block_keys[1] == keys[1]
+        assert query.block_keys[-1] == keys[2]
+        assert query.block_keys[1:] == keys[1:]

@@ -14,6 +14,7 @@ from kvsp.index.state import (
     STATUS_RETENTION_MS,
     BlockReplicas,
     IndexLimits,
+    PackedKeys,
     ReplicaTable,
     StatusTable,
     authorize_lookup,
@@ -293,3 +294,16 @@ def test_statuses_cannot_pin_memory(clock: ManualClock) -> None:
     clock.advance(STATUS_RETENTION_MS)
     statuses.put(status("http://c/kvsp/"))  # a and b are forgotten a day after their last status
     statuses.put(status("http://a/kvsp/", epoch=1))  # so is a's epoch
+
+
+def test_packed_keys_read_as_the_hex_keys_they_pack() -> None:
+    hexes = keys(0, 1, 2)
+    packed = PackedKeys(b"".join(bytes.fromhex(k) for k in hexes))
+    assert len(packed) == 3
+    assert list(packed) == hexes
+    assert (packed[0], packed[-1], packed[::2]) == (hexes[0], hexes[2], hexes[::2])
+    assert hexes[1] in packed
+    with pytest.raises(IndexError):
+        packed[3]
+    with pytest.raises(IndexError):
+        packed[-4]

@@ -30,7 +30,41 @@ typedef struct {
     Py_ssize_t used;
 } KeyTable;
 
-static int8_t hexval[256];
+/* Eight lowercase hex digits -> four octets, eight at a time (SWAR); -1 if any is not one of
+ * 0-9 a-f. Every byte is below 0x80 before the additions, so no carry crosses a byte. */
+static inline int
+hex8(const unsigned char *digits, unsigned char *octets)
+{
+    const uint64_t ones = 0x0101010101010101ULL, high = 0x8080808080808080ULL;
+    uint64_t x;
+    memcpy(&x, digits, 8);
+    if (x & high) {
+        return -1;
+    }
+    uint64_t digit = (x + 0x50 * ones) & ~(x + 0x46 * ones);  /* 0x30 <= b < 0x3a */
+    uint64_t letter = (x + 0x1f * ones) & ~(x + 0x19 * ones); /* 0x61 <= b < 0x67 */
+    if (((digit | letter) & high) != high) {
+        return -1;
+    }
+    uint64_t v = (x & 0x0f * ones) + ((letter & high) >> 7) * 9; /* byte k: value of digit k */
+    v = ((v << 4) | (v >> 8)) & 0x00ff00ff00ff00ffULL;            /* pairs in bytes 0, 2, 4, 6 */
+    v = (v | (v >> 8)) & 0x0000ffff0000ffffULL;
+    v = (v | (v >> 16)) & 0x00000000ffffffffULL;
+    uint32_t packed = (uint32_t)v;
+    memcpy(octets, &packed, 4);
+    return 0;
+}
+
+/* 64 lowercase hex digits -> the 32 octets of a key; -1 if they are not. */
+static inline int
+hex64(const unsigned char *digits, unsigned char *octets)
+{
+    int bad = 0;
+    for (int i = 0; i < 8; i++) {
+        bad |= hex8(digits + 8 * i, octets + 4 * i);
+    }
+    return bad;
+}
 
 /* The 32 octets of a key, or -1 with ValueError/TypeError set. */
 static int
@@ -40,23 +74,11 @@ parse_key(PyObject *text, uint64_t out[4])
         PyErr_Format(PyExc_TypeError, "block key must be str, not %.80s", Py_TYPE(text)->tp_name);
         return -1;
     }
-    if (PyUnicode_KIND(text) != PyUnicode_1BYTE_KIND || PyUnicode_GET_LENGTH(text) != 64) {
+    if (PyUnicode_KIND(text) != PyUnicode_1BYTE_KIND || PyUnicode_GET_LENGTH(text) != 64
+        || hex64(PyUnicode_1BYTE_DATA(text), (unsigned char *)out) < 0) {
         PyErr_SetString(PyExc_ValueError, "block key must be 64 lowercase hex digits");
         return -1;
     }
-    const unsigned char *s = PyUnicode_1BYTE_DATA(text);
-    unsigned char octets[32];
-    int bad = 0;
-    for (int i = 0; i < 32; i++) {
-        int hi = hexval[s[2 * i]], lo = hexval[s[2 * i + 1]];
-        bad |= hi | lo;
-        octets[i] = (unsigned char)((hi << 4) | lo);
-    }
-    if (bad < 0) {
-        PyErr_SetString(PyExc_ValueError, "block key must be 64 lowercase hex digits");
-        return -1;
-    }
-    memcpy(out, octets, 32);
     return 0;
 }
 
@@ -312,15 +334,20 @@ KeyTable_pop(KeyTable *self, PyObject *text)
 #define BATCH 64
 #define PAYLOAD_LINES 8
 
-/* Probe keys[start:stop] (at most BATCH), overlapping their memory accesses; stores the
- * matched slots of the leading present keys in found and returns how many, or -1. */
+/* Probe n keys (at most BATCH), given as str items or as packed octets, overlapping their
+ * memory accesses; stores the matched slots of the leading present keys in found and returns
+ * how many, or -1. */
 static Py_ssize_t
-probe_batch(KeyTable *self, PyObject **keys, Py_ssize_t n, Slot **found)
+probe_batch(KeyTable *self, PyObject **items, const unsigned char *packed, Py_ssize_t n,
+            Slot **found)
 {
     uint64_t parsed[BATCH][4];
     size_t home[BATCH];
     for (Py_ssize_t k = 0; k < n; k++) {
-        if (parse_key(keys[k], parsed[k]) < 0) {
+        if (packed != NULL) {
+            memcpy(parsed[k], packed + 32 * k, 32);
+        }
+        else if (parse_key(items[k], parsed[k]) < 0) {
             return -1;
         }
         home[k] = hash_key(parsed[k]) & self->mask;
@@ -344,29 +371,63 @@ probe_batch(KeyTable *self, PyObject **keys, Py_ssize_t n, Slot **found)
     return matched;
 }
 
+/* Keys as given to prefix and join_prefix: a sequence of str, or bytes of packed keys (32
+ * octets each, as pack_keys makes them). */
+typedef struct {
+    PyObject *seq;                 /* owned; the sequence, or the bytes */
+    PyObject **items;              /* NULL for packed keys */
+    const unsigned char *packed;   /* NULL for str keys */
+    Py_ssize_t n;
+} Keys;
+
+static int
+keys_of(PyObject *arg, Keys *keys)
+{
+    if (PyBytes_Check(arg)) {
+        if (PyBytes_GET_SIZE(arg) % 32 != 0) {
+            PyErr_SetString(PyExc_ValueError, "packed keys are 32 octets each");
+            return -1;
+        }
+        keys->seq = Py_NewRef(arg);
+        keys->items = NULL;
+        keys->packed = (const unsigned char *)PyBytes_AS_STRING(arg);
+        keys->n = PyBytes_GET_SIZE(arg) / 32;
+        return 0;
+    }
+    keys->seq = PySequence_Fast(arg, "block keys must be a sequence or packed bytes");
+    if (keys->seq == NULL) {
+        return -1;
+    }
+    keys->items = PySequence_Fast_ITEMS(keys->seq);
+    keys->packed = NULL;
+    keys->n = PySequence_Fast_GET_SIZE(keys->seq);
+    return 0;
+}
+
 /* The leading keys' slots, in batches; returns a PyMem array (caller frees) and its length. */
 static Slot **
 probe_prefix(KeyTable *self, PyObject *keys_arg, Py_ssize_t *matched_out, PyObject **seq_out)
 {
-    PyObject *seq = PySequence_Fast(keys_arg, "block keys must be a sequence");
-    if (seq == NULL) {
+    Keys keys;
+    if (keys_of(keys_arg, &keys) < 0) {
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n = keys.n;
     Slot **found = PyMem_Malloc(sizeof(Slot *) * (size_t)(n > 0 ? n : 1));
     if (found == NULL) {
-        Py_DECREF(seq);
+        Py_DECREF(keys.seq);
         PyErr_NoMemory();
         return NULL;
     }
     Py_ssize_t matched = 0;
     for (Py_ssize_t start = 0; start < n; start += BATCH) {
         Py_ssize_t size = n - start < BATCH ? n - start : BATCH;
-        Py_ssize_t got = probe_batch(self, items + start, size, found + start);
+        Py_ssize_t got = probe_batch(self, keys.items ? keys.items + start : NULL,
+                                     keys.packed ? keys.packed + 32 * start : NULL, size,
+                                     found + start);
         if (got < 0) {
             PyMem_Free(found);
-            Py_DECREF(seq);
+            Py_DECREF(keys.seq);
             return NULL;
         }
         matched += got;
@@ -375,7 +436,7 @@ probe_prefix(KeyTable *self, PyObject *keys_arg, Py_ssize_t *matched_out, PyObje
         }
     }
     *matched_out = matched;
-    *seq_out = seq;
+    *seq_out = keys.seq;
     return found;
 }
 
@@ -545,7 +606,102 @@ check_keys(PyObject *Py_UNUSED(module), PyObject *keys_arg)
     Py_RETURN_NONE;
 }
 
+/* is_hex(text) -> bool: whether text is lowercase hex digits only (a length a multiple of 8,
+ * as every KVSP identifier's is; anything else is False). */
+static PyObject *
+is_hex(PyObject *Py_UNUSED(module), PyObject *text)
+{
+    if (!PyUnicode_Check(text)) {
+        PyErr_Format(PyExc_TypeError, "expected str, not %.80s", Py_TYPE(text)->tp_name);
+        return NULL;
+    }
+    Py_ssize_t n = PyUnicode_GET_LENGTH(text);
+    if (PyUnicode_KIND(text) != PyUnicode_1BYTE_KIND || n % 8 != 0) {
+        Py_RETURN_FALSE;
+    }
+    const unsigned char *digits = PyUnicode_1BYTE_DATA(text);
+    unsigned char octets[4];
+    for (Py_ssize_t i = 0; i < n; i += 8) {
+        if (hex8(digits + i, octets) < 0) {
+            Py_RETURN_FALSE;
+        }
+    }
+    Py_RETURN_TRUE;
+}
+
+/* pack_keys(json) -> bytes | None: the packed keys (32 octets each) of a JSON array, given as
+ * the octets of a buffer, whose elements are all strings of 64 lowercase hex digits written
+ * plainly; None for anything else (an escape, another kind of element, a wrong length), which
+ * the caller decodes the slow way and refuses with a precise error. */
+static PyObject *
+pack_keys(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    const unsigned char *p = view.buf, *end = p + view.len;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (view.len / 66 + 1) * 32);
+    if (out == NULL) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
+    Py_ssize_t n = 0;
+#define SKIP_SPACE                                                                  \
+    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) {      \
+        p++;                                                                        \
+    }
+    SKIP_SPACE;
+    if (p == end || *p != '[') {
+        goto slow;
+    }
+    p++;
+    SKIP_SPACE;
+    if (p < end && *p == ']') {
+        p++;
+    }
+    else {
+        for (;;) {
+            if (end - p < 66 || p[0] != '"' || p[65] != '"' || hex64(p + 1, dst + 32 * n) < 0) {
+                goto slow;
+            }
+            p += 66;
+            n++;
+            SKIP_SPACE;
+            if (p < end && *p == ',') {
+                p++;
+                SKIP_SPACE;
+                continue;
+            }
+            if (p < end && *p == ']') {
+                p++;
+                break;
+            }
+            goto slow;
+        }
+    }
+    SKIP_SPACE;
+#undef SKIP_SPACE
+    if (p != end) {
+        goto slow;
+    }
+    PyBuffer_Release(&view);
+    if (_PyBytes_Resize(&out, 32 * n) < 0) {
+        return NULL;
+    }
+    return out;
+slow:
+    PyBuffer_Release(&view);
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"is_hex", (PyCFunction)is_hex, METH_O,
+     "Whether a str is lowercase hex digits only, its length a multiple of 8."},
+    {"pack_keys", (PyCFunction)pack_keys, METH_O,
+     "The packed keys of a plain JSON array of 64-digit lowercase hex strings, or None."},
     {"check_keys", (PyCFunction)check_keys, METH_O,
      "Raise ValueError unless every key is 64 lowercase hex digits."},
     {NULL, NULL, 0, NULL},
@@ -562,9 +718,6 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__keytable(void)
 {
-    memset(hexval, -1, sizeof(hexval));
-    for (int c = '0'; c <= '9'; c++) hexval[c] = (int8_t)(c - '0');
-    for (int c = 'a'; c <= 'f'; c++) hexval[c] = (int8_t)(c - 'a' + 10);
     uint64_t seed[2] = {(uint64_t)_Py_HashSecret.siphash.k0, (uint64_t)_Py_HashSecret.siphash.k1};
     for (int i = 0; i < 4; i++) {
         /* splitmix64 steps: four well-mixed words from the two of the hash secret */

@@ -16,8 +16,9 @@ from __future__ import annotations
 import heapq
 import sys
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 from kvsp.auth import Principal, Role, authorize
 from kvsp.core.clock import Clock
@@ -39,6 +40,7 @@ __all__ = [
     "STATUS_ROLES",
     "BlockReplicas",
     "IndexLimits",
+    "PackedKeys",
     "PublishOutcome",
     "ReplicaTable",
     "Space",
@@ -262,6 +264,44 @@ def authorize_status(principal: Principal, status: InstanceStatusRecord) -> None
     authorize(principal, STATUS_ROLES, holder=status.instance)
 
 
+class PackedKeys(Sequence[str]):
+    """Block keys in the table's own form (32 octets each, as ``pack_keys`` makes them from a
+    request body), read as hex strings by whoever needs those: a lookup decoded this way
+    creates no string per key, and the table parses nothing again."""
+
+    __slots__ = ("octets",)
+
+    def __init__(self, octets: bytes) -> None:
+        self.octets = octets
+
+    def __len__(self) -> int:
+        return len(self.octets) // 32
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError("block key index out of range")
+        start = 32 * (index % n)
+        return self.octets[start : start + 32].hex()
+
+    def __iter__(self) -> Iterator[str]:
+        octets = self.octets
+        return (octets[i : i + 32].hex() for i in range(0, len(octets), 32))
+
+
+def _probed(block_keys: Sequence[str]) -> Sequence[str] | bytes:
+    """What the table probes: packed keys as they are, anything else key by key."""
+    return block_keys.octets if isinstance(block_keys, PackedKeys) else block_keys
+
+
 class ReplicaTable:
     """All replica records of an in-memory index.
 
@@ -411,7 +451,7 @@ class ReplicaTable:
         """Replicas of the leading keys that have any, stopping at the first key without one."""
         self.expire()
         blocks = self._spaces.get((compat, scope))
-        return [] if blocks is None else blocks.prefix(block_keys)
+        return [] if blocks is None else blocks.prefix(_probed(block_keys))
 
     def answer(self, compat: str, scope: str, block_keys: Sequence[str]) -> tuple[int, bytes]:
         """The matched count and the whole lookup answer without estimates, as ``answer_json``
@@ -420,7 +460,7 @@ class ReplicaTable:
         blocks = self._spaces.get((compat, scope))
         if blocks is None:
             return 0, answer_json(())
-        return blocks.join_prefix(block_keys, _HEAD, _MIDDLE, b",", _ESTIMATES + b"]}")
+        return blocks.join_prefix(_probed(block_keys), _HEAD, _MIDDLE, b",", _ESTIMATES + b"]}")
 
 
 @dataclass(slots=True)

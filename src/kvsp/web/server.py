@@ -195,27 +195,34 @@ async def read_body(
 
     Works on the ASGI primitives so that the hottest routes can skip request objects.
     """
-    media_type = (header_value(scope, b"content-type") or "").split(";")[0].strip().lower()
+    content_type = declared = None
+    for key, value in scope["headers"]:  # one pass; the first of a repeated header counts
+        if key == b"content-type" and content_type is None:
+            content_type = value
+        elif key == b"content-length" and declared is None:
+            declared = value
+    media_type = (content_type or b"").partition(b";")[0].strip().lower().decode("latin-1")
     if media_type not in media_types:
         raise UnsupportedMediaType(
             f"content type {media_type or '(none)'!r} is not {media_types[0]}"
         )
-    declared = header_value(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_octets:
-        raise PayloadTooLarge(f"body of {declared} octets is above the {max_octets}-octet limit")
-    chunks = []
+        raise PayloadTooLarge(
+            f"body of {declared.decode()} octets is above the {max_octets}-octet limit"
+        )
+    chunks: list[bytes] = []
     received = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise InvalidInput("the client went away before sending its body")
         chunk: bytes = message.get("body", b"")
-        chunks.append(chunk)
         received += len(chunk)
         if received > max_octets:
             raise PayloadTooLarge(f"body is above the {max_octets}-octet limit")
         if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            return b"".join([*chunks, chunk]) if chunks else chunk
+        chunks.append(chunk)
 
 
 async def read_json_body(request: Request, max_octets: int) -> bytes:
