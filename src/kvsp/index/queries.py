@@ -93,9 +93,8 @@ def decode_lookup(body: bytes) -> LookupQuery:
     """The lookup a body asks for; a body ``LookupRequest`` would refuse is a ``RecordError``."""
     try:
         doc = _DECODER.decode(body)
-        for name, value in (("scope_id", doc.scope_id), ("compat_id", doc.compat_id)):
-            if not is_hex(value):
-                raise ValueError(f"{name} must be lowercase hex digits, got {value!r:.80}")
+        if not (is_hex(doc.scope_id) and is_hex(doc.compat_id)):
+            raise ValueError("scope_id and compat_id must be lowercase hex digits")
         packed = _packed(doc.block_keys)
     except (msgspec.DecodeError, ValueError) as exc:  # ValidationError is a DecodeError
         raise RecordError(f"LookupRequest: {exc}") from None
