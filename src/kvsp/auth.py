@@ -64,8 +64,8 @@ class Principal:
     scopes: frozenset[str]
     holders: frozenset[str]
 
-    def has_role(self, role: Role) -> bool:
-        return Role.ADMIN in self.roles or role in self.roles
+    def has_any_role(self, roles: tuple[Role, ...]) -> bool:
+        return Role.ADMIN in self.roles or not self.roles.isdisjoint(roles)
 
     def may_access_scope(self, scope_id: str) -> bool:
         return ANY in self.scopes or scope_id in self.scopes
@@ -91,8 +91,7 @@ def authorize(
     """Raise ``Forbidden`` unless ``principal`` has one of ``roles`` and, where given, access
     to ``scope`` (hex16 Scope ID) and the right to act for ``holder``."""
     wanted = (roles,) if isinstance(roles, Role) else tuple(roles)
-    held = principal.roles
-    if Role.ADMIN not in held and held.isdisjoint(wanted):
+    if not principal.has_any_role(wanted):
         names = " or ".join(r.value for r in wanted)
         raise Forbidden(f"principal {principal.name!r} lacks the role {names}")
     if scope is not None and not principal.may_access_scope(scope):

@@ -6,10 +6,12 @@
  * open-addressing array, so a batch of keys is probed in passes that let the memory accesses of
  * all keys overlap: hash every key and prefetch its slot, then compare and prefetch the values.
  *
- * Keys are 64 lowercase hex digits (str); the hash is CPython's keyed SipHash of the 32 octets,
- * so published keys cannot be chosen to collide. Linear probing at a load of at most 1/2, with
- * backward-shift deletion (no tombstones). Each slot holds a value (any object) and a payload
- * (bytes or None) that lookups join without touching the value.
+ * Keys are 64 lowercase hex digits (str), or for lookups packed 32 octets a key (pack_keys makes
+ * them straight from a request body's JSON). The hash mixes the key's four words with a secret
+ * derived from CPython's hash secret, so published keys cannot be chosen to collide. Linear
+ * probing at a load of at most 1/2, with backward-shift deletion (no tombstones). Each slot
+ * holds a value (any object) and a payload (bytes or None) that lookups join without touching
+ * the value.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

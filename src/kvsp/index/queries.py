@@ -93,11 +93,11 @@ def decode_lookup(body: bytes) -> LookupQuery:
     """The lookup a body asks for; a body ``LookupRequest`` would refuse is a ``RecordError``."""
     try:
         doc = _DECODER.decode(body)
+        if doc.targets is not None:  # the model checks the whole body, URLs included
+            return LookupRequest.parse(body)
         if not (is_hex(doc.scope_id) and is_hex(doc.compat_id)):
             raise ValueError("scope_id and compat_id must be lowercase hex digits")
         packed = _packed(doc.block_keys)
     except (msgspec.DecodeError, ValueError) as exc:  # ValidationError is a DecodeError
         raise RecordError(f"LookupRequest: {exc}") from None
-    if doc.targets is not None:
-        return LookupRequest.parse(body)
     return Lookup(doc.scope_id, doc.compat_id, PackedKeys(packed), doc.block_tokens)
