@@ -26,7 +26,9 @@ __all__ = ["KVSP", "RedisServer", "Service", "free_port", "running", "serving"]
 KVSP = Path(sys.executable).with_name("kvsp")
 
 
-def _wait_for(check: object, what: str, timeout_s: float = 20.0) -> None:
+def _wait_for(check: object, what: str, timeout_s: float = 60.0) -> None:
+    """Poll until ``check`` holds; only an upper bound (a vLLM instance importing vLLM and torch
+    beside another on two busy cores has taken more than 20 s to come up)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(Exception):
