@@ -18,8 +18,10 @@ from typing import Any
 
 import httpx
 import uvicorn
+from uvicorn.config import LifespanType
 
 from kvsp.local import free_port
+from kvsp.web.serving import uvicorn_config
 
 __all__ = ["KVSP", "RedisServer", "Service", "free_port", "running", "serving"]
 
@@ -132,12 +134,11 @@ def running(*things: RedisServer | Service) -> Iterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def serving(app: Any, port: int = 0, lifespan: str = "on") -> AsyncIterator[str]:
-    """``app`` served by uvicorn on loopback (a free port unless given), in this event loop;
-    yields its base URL."""
+async def serving(app: Any, port: int = 0, lifespan: LifespanType = "on") -> AsyncIterator[str]:
+    """``app`` served on loopback as kvsp's services are (a free port unless given), in this
+    event loop; yields its base URL."""
     port = port or free_port()
-    config = uvicorn.Config(app, "127.0.0.1", port, log_level="warning", lifespan=lifespan)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning", lifespan))
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():

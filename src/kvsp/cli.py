@@ -243,10 +243,10 @@ def _principals(auth: Path | None, host: str) -> Principals:
 
 
 def _serve(asgi_app: Any, host: str, port: int, log_level: str) -> None:
-    """Run a service's ASGI app with uvicorn until it is stopped."""
-    import uvicorn
+    """Run a service's ASGI app until it is stopped."""
+    from kvsp.web.serving import serve
 
-    uvicorn.run(asgi_app, host=host, port=port, log_level=log_level, access_log=False)
+    serve(asgi_app, host, port, log_level)
 
 
 @index_app.command("serve")

@@ -1,0 +1,153 @@
+"""``kvsp.web.serving``: writes made in one step of the event loop leave together, in order,
+and nothing held is lost or sent late; a service served this way answers as uvicorn would."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from starlette.types import Receive, Scope, Send
+
+from kvsp.web.serving import HELD_OCTETS_LIMIT, HeldWrites
+from tests.servers import serving
+
+pytestmark = pytest.mark.anyio
+
+
+class Pair:
+    """A connected socket pair: ``held`` writes into one end, the test reads the other."""
+
+    def __init__(self, transport: asyncio.Transport, peer: socket.socket) -> None:
+        self.held = HeldWrites(transport, asyncio.get_running_loop())
+        self.transport = transport
+        self.peer = peer
+
+    def available(self) -> bytes:
+        """What has reached the peer so far, without waiting."""
+        try:
+            return self.peer.recv(1 << 20)
+        except BlockingIOError:
+            return b""
+
+    async def read_to_end(self) -> bytes:
+        loop = asyncio.get_running_loop()
+        out = b""
+        while chunk := await loop.sock_recv(self.peer, 1 << 20):
+            out += chunk
+        return out
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[Pair]:
+    ours, peer = socket.socketpair()
+    peer.setblocking(False)
+    transport, _ = await asyncio.get_running_loop().connect_accepted_socket(
+        asyncio.Protocol, ours
+    )
+    yield Pair(transport, peer)
+    transport.abort()
+    peer.close()
+
+
+async def test_writes_of_one_step_leave_together_at_its_end(pair: Pair) -> None:
+    pair.held.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    pair.held.writelines([b"one ", memoryview(b"two ")])
+    pair.held.write(bytearray(b"three"))
+    assert pair.held.get_write_buffer_size() == 19 + 13
+    assert pair.available() == b""  # nothing before the step ends
+    await asyncio.sleep(0)
+    assert pair.available() == b"HTTP/1.1 200 OK\r\n\r\none two three"
+    assert pair.held.get_write_buffer_size() == 0
+    pair.held.write(b"next")  # a later step is held and sent on its own
+    assert pair.available() == b""
+    await asyncio.sleep(0)
+    assert pair.available() == b"next"
+
+
+async def test_held_octets_reaching_the_limit_go_out_at_once_in_order(pair: Pair) -> None:
+    pair.held.write(b"head")
+    pair.held.write(b"x" * HELD_OCTETS_LIMIT)
+    first = pair.available()  # without the loop running
+    assert first.startswith(b"headxxx")
+    pair.held.write(b"tail")
+    pair.held.close()
+    rest = await pair.read_to_end()
+    assert first + rest == b"head" + b"x" * HELD_OCTETS_LIMIT + b"tail"
+
+
+async def test_close_sends_what_is_held_first(pair: Pair) -> None:
+    pair.held.write(b"last words")
+    pair.held.close()
+    assert pair.held.is_closing()
+    assert await pair.read_to_end() == b"last words"
+    await asyncio.sleep(0)  # the scheduled flush finds nothing left and writes nothing
+
+
+async def test_abort_drops_what_is_held(pair: Pair) -> None:
+    pair.held.write(b"never sent")
+    pair.held.abort()
+    await asyncio.sleep(0)
+    assert await pair.read_to_end() == b""
+
+
+async def test_held_writes_on_a_closing_transport_are_dropped(pair: Pair) -> None:
+    pair.held.write(b"too late")
+    pair.transport.close()  # as when the connection is lost before the step ends
+    await asyncio.sleep(0)
+    assert await pair.read_to_end() == b""
+
+
+async def test_the_rest_of_the_transport_is_the_real_one(pair: Pair) -> None:
+    assert pair.held.get_extra_info("socket") is pair.transport.get_extra_info("socket")
+    assert pair.held.get_protocol() is pair.transport.get_protocol()
+    pair.held.pause_reading()
+    assert not pair.held.is_reading()
+    pair.held.resume_reading()
+    assert pair.held.is_reading()
+    pair.held.set_write_buffer_limits(high=1 << 20)
+    assert pair.held.get_write_buffer_limits()[1] == 1 << 20
+    assert pair.held.can_write_eof()
+    pair.held.write(b"half")
+    pair.held.write_eof()  # sends what is held, then ends this direction
+    assert await pair.read_to_end() == b"half"
+
+
+async def streamed(scope: Scope, receive: Receive, send: Send) -> None:
+    """Answers in many small chunks without waiting between them (no Content-Length)."""
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    for n in range(10_000):
+        await send({"type": "http.response.body", "body": b"%05d," % n, "more_body": True})
+    await send({"type": "http.response.body", "body": b"end"})
+
+
+async def test_served_answers_whole_and_in_order_with_keep_alive_and_close() -> None:
+    expected = b"".join(b"%05d," % n for n in range(10_000)) + b"end"
+    async with serving(streamed, lifespan="off") as base:
+        async with httpx.AsyncClient() as client:
+            for _ in range(3):  # one connection, kept alive
+                assert (await client.get(base)).content == expected
+            closing = await client.get(base, headers={"connection": "close"})
+            assert closing.content == expected
+            assert closing.headers["connection"] == "close"
+
+
+def test_a_service_that_cannot_start_exits_with_uvicorns_startup_failure() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "kvsp", "index", "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 3
+    assert "address already in use" in done.stderr.lower()
