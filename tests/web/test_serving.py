@@ -46,9 +46,7 @@ class Pair:
 async def pair() -> AsyncIterator[Pair]:
     ours, peer = socket.socketpair()
     peer.setblocking(False)
-    transport, _ = await asyncio.get_running_loop().connect_accepted_socket(
-        asyncio.Protocol, ours
-    )
+    transport, _ = await asyncio.get_running_loop().connect_accepted_socket(asyncio.Protocol, ours)
     yield Pair(transport, peer)
     transport.abort()
     peer.close()
@@ -129,13 +127,12 @@ async def streamed(scope: Scope, receive: Receive, send: Send) -> None:
 
 async def test_served_answers_whole_and_in_order_with_keep_alive_and_close() -> None:
     expected = b"".join(b"%05d," % n for n in range(10_000)) + b"end"
-    async with serving(streamed, lifespan="off") as base:
-        async with httpx.AsyncClient() as client:
-            for _ in range(3):  # one connection, kept alive
-                assert (await client.get(base)).content == expected
-            closing = await client.get(base, headers={"connection": "close"})
-            assert closing.content == expected
-            assert closing.headers["connection"] == "close"
+    async with serving(streamed, lifespan="off") as base, httpx.AsyncClient() as client:
+        for _ in range(3):  # one connection, kept alive
+            assert (await client.get(base)).content == expected
+        closing = await client.get(base, headers={"connection": "close"})
+        assert closing.content == expected
+        assert closing.headers["connection"] == "close"
 
 
 def test_a_service_that_cannot_start_exits_with_uvicorns_startup_failure() -> None:
