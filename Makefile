@@ -10,7 +10,7 @@ SRC    := src tests benchmarks
 
 .PHONY: setup system-deps bench-deps demo test lint bench
 
-$(STAMP): pyproject.toml setup.py src/kvsp/index/_keytable.c
+$(STAMP): pyproject.toml setup.py src/kvsp/index/_keytable.c src/kvsp/core/_sha256.c
 	@command -v cc >/dev/null 2>&1 && python3 -c 'import pathlib, sys, sysconfig; \
 		sys.exit(not pathlib.Path(sysconfig.get_paths()["include"], "Python.h").exists())' || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive \

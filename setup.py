@@ -1,14 +1,16 @@
-"""The one compiled part of kvsp: the Index Service's block-key table (docs/decisions/0006).
-Everything else is declared in pyproject.toml."""
+"""kvsp's compiled parts: the Index Service's block-key table (docs/decisions/0006) and the
+two-lane SHA-256 that verifies received blocks (docs/decisions/0007). Everything else is
+declared in pyproject.toml."""
 
 from setuptools import Extension, setup
 
 setup(
     ext_modules=[
         Extension(
-            "kvsp.index._keytable",
-            sources=["src/kvsp/index/_keytable.c"],
+            f"kvsp.{name}",
+            sources=[f"src/kvsp/{name.replace('.', '/')}.c"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror"],
         )
+        for name in ("index._keytable", "core._sha256")
     ]
 )

@@ -95,6 +95,11 @@ def test_round_trip_random_geometry(block: tuple) -> None:  # type: ignore[type-
     assert parsed.layer_digests() == built.layer_digests()
     assert parsed.digest() == built.digest()
     octets = built.tobytes()
+    sha256 = hashlib.sha256(octets).digest()
+    assert built.sha256() == sha256
+    fresh = Container.parse(octets, geometry)  # its layer digests come with the whole one
+    assert fresh.sha256() == sha256
+    assert fresh.layer_digests() == built.layer_digests()
     for container in (built, parsed):  # each layer says where it lies in the representation
         for layer in container.layers:
             at = layer.offset
@@ -107,7 +112,9 @@ def test_incremental_parse_equals_whole_parse(block: tuple, cuts: list[int]) -> 
     geometry, first, tokens, arrays = block
     data = Container.build(first, tokens, arrays, geometry=geometry).tobytes()
     whole = Container.parse(data, geometry)
-    parser = ContainerParser(geometry, expected_digests=[b""] * first + list(whole.layer_digests()))
+    parser = ContainerParser(
+        geometry, expected_digests=[b""] * first + list(whole.layer_digests()), whole_digest=True
+    )
     seen = []
     pos = 0
     for cut in cuts:
@@ -121,8 +128,10 @@ def test_incremental_parse_equals_whole_parse(block: tuple, cuts: list[int]) -> 
         ]
         if pos >= len(data):
             break
+        assert parser.sha256 is None  # computed by the step that completes the container
     seen.extend(parser.feed(data[pos:]))
     final = parser.finish()
+    assert parser.sha256 == final.sha256() == hashlib.sha256(data).digest()
     assert [(s.layer, bytes(s.k), bytes(s.v), s.offset) for s in seen] == [
         (s.layer, bytes(s.k), bytes(s.v), s.offset) for s in whole.layers
     ]

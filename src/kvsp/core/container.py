@@ -37,6 +37,7 @@ from kvsp.core.problems import (
     LayerRangeError,
 )
 from kvsp.core.registries import CODEC_RAW, CODECS, ElementType
+from kvsp.core.sha256 import sha256_ranges
 
 __all__ = [
     "DEFAULT_MAX_CONTAINER_OCTETS",
@@ -254,6 +255,12 @@ class LayerSections:
     v: memoryview
     offset: int
 
+    @property
+    def span(self) -> tuple[int, int]:
+        """Where the layer's octets start and stop in the container's representation (K, then
+        V: a layer digest covers exactly this range of a contiguous container)."""
+        return self.offset, self.offset + len(self.k) + len(self.v)
+
     def digest(self) -> bytes:
         return layer_digest(self.k, self.v)
 
@@ -273,14 +280,15 @@ def _layers(
     return out
 
 
-def _check_layer(layer: LayerSections, expected: Sequence[bytes] | None) -> bytes:
-    got = layer.digest()
-    if expected is not None:
+def _check_layers(
+    layers: Sequence[LayerSections], got: Sequence[bytes], expected: Sequence[bytes]
+) -> None:
+    """Each layer's computed digest against the expected ones (indexed by layer number)."""
+    for layer, digest in zip(layers, got, strict=True):
         if layer.layer >= len(expected):
             raise DigestError(f"no expected digest for layer {layer.layer}")
-        if got != expected[layer.layer]:
+        if digest != expected[layer.layer]:
             raise DigestError(f"layer {layer.layer}: digest does not match the replica record")
-    return got
 
 
 class Container:
@@ -293,7 +301,7 @@ class Container:
     valid only while the caller leaves its section memory unchanged.
     """
 
-    __slots__ = ("_data", "_digests", "_header_octets", "_layers", "header")
+    __slots__ = ("_data", "_digests", "_header_octets", "_layers", "_sha256", "_whole", "header")
 
     def __init__(
         self,
@@ -308,14 +316,25 @@ class Container:
         self._data = tuple(data)
         self._digests = None if digests is None else tuple(digests)
         self._layers: tuple[LayerSections, ...] | None = None
+        self._sha256: bytes | None = None
+        #: the whole representation, when it is one contiguous buffer
+        self._whole: memoryview | None = None
 
     @classmethod
     def _over(
-        cls, header: ContainerHeader, buffer: memoryview, digests: Sequence[bytes] | None = None
+        cls,
+        header: ContainerHeader,
+        buffer: memoryview,
+        digests: Sequence[bytes] | None = None,
+        sha256: bytes | None = None,
     ) -> Container:
-        """A container whose whole representation is the contiguous ``buffer``."""
+        """A container whose whole representation is the contiguous ``buffer`` (its layer
+        digests and SHA-256, when already computed, given)."""
         split = header.header_octets
-        return cls(header, buffer[:split], (buffer[split:],), digests)
+        container = cls(header, buffer[:split], (buffer[split:],), digests)
+        container._whole = buffer
+        container._sha256 = sha256
+        return container
 
     @property
     def layers(self) -> tuple[LayerSections, ...]:
@@ -400,15 +419,29 @@ class Container:
         return b"".join(self.parts)
 
     def sha256(self) -> bytes:
-        """SHA-256 of the representation, for ``Repr-Digest``."""
-        h = hashlib.sha256()
-        for part in self.parts:
-            h.update(part)
-        return h.digest()
+        """SHA-256 of the representation, for ``Repr-Digest``. Over one buffer, the layer
+        digests not known yet are computed in the same pass (whoever checks or stores a block
+        needs both, and the second lane makes them nearly free)."""
+        if self._sha256 is None:
+            if self._whole is None:
+                h = hashlib.sha256()
+                for part in self.parts:
+                    h.update(part)
+                self._sha256 = h.digest()
+            else:
+                spans = [] if self._digests is not None else [x.span for x in self.layers]
+                self._sha256, *layers = sha256_ranges(self._whole, [(0, self.size), *spans])
+                if self._digests is None:
+                    self._digests = tuple(layers)
+        return self._sha256
 
     def layer_digests(self) -> tuple[bytes, ...]:
         if self._digests is None:
-            self._digests = tuple(layer.digest() for layer in self.layers)
+            if self._whole is None:
+                self._digests = tuple(layer.digest() for layer in self.layers)
+            else:
+                spans = [layer.span for layer in self.layers]
+                self._digests = tuple(sha256_ranges(self._whole, spans))
         return self._digests
 
     def digest(self) -> bytes:
@@ -420,7 +453,7 @@ class Container:
         and, when given, that list against the record's replica digest."""
         if replica is not None and replica_digest(layer_digests) != replica:
             raise DigestError("layer digests do not match the replica digest")
-        self._digests = tuple(_check_layer(layer, layer_digests) for layer in self.layers)
+        _check_layers(self.layers, self.layer_digests(), layer_digests)
 
     def slice(self, first: int, last: int) -> Container:
         """Layers ``first``..``last`` (inclusive, absolute numbers) as a container that views
@@ -445,7 +478,10 @@ class ContainerParser:
     the octets land in a buffer of the caller's and tell it how far that is filled with
     ``received`` (no copy at all). Returned layers view the buffer. With ``expected_digests``
     (the record's layer digests, indexed by layer number) each layer is verified as it
-    completes, before it is returned. One parser takes one of the two ways, not both.
+    completes, before it is returned. With ``whole_digest`` the step that completes the
+    container also computes the SHA-256 of all of it (``sha256``, for ``Repr-Digest``), on the
+    second lane of the pass that digests the last layers: a receiver that gets everything at
+    once pays for about one pass instead of two. One parser takes one of the two ways, not both.
     """
 
     __slots__ = (
@@ -458,8 +494,10 @@ class ContainerParser:
         "_head",
         "_max",
         "_view",
+        "_whole_digest",
         "digests",
         "header",
+        "sha256",
     )
 
     def __init__(
@@ -467,10 +505,13 @@ class ContainerParser:
         geometry: Geometry | None = None,
         max_octets: int = DEFAULT_MAX_CONTAINER_OCTETS,
         expected_digests: Sequence[bytes] | None = None,
+        whole_digest: bool = False,
     ) -> None:
         self._geometry = geometry
         self._max = max_octets
         self._expected = expected_digests
+        self._whole_digest = whole_digest
+        self.sha256: bytes | None = None
         self._head = bytearray()
         self._buffer: bytearray | None = None
         self._view = memoryview(b"")
@@ -550,8 +591,15 @@ class ContainerParser:
         if ready == self._emitted:
             return []
         layers = _layers(header, self._view[header.header_octets :], self._emitted, ready)
-        for layer in layers:
-            self.digests.append(_check_layer(layer, self._expected))
+        spans = [layer.span for layer in layers]
+        whole = self._whole_digest and ready == len(self._ends)
+        if whole:  # first: the longest range keeps one lane busy while the other takes layers
+            self.sha256, *got = sha256_ranges(self._view, [(0, header.total_octets), *spans])
+        else:
+            got = sha256_ranges(self._view, spans)
+        if self._expected is not None:
+            _check_layers(layers, got, self._expected)
+        self.digests.extend(got)
         self._emitted = ready
         return layers
 
@@ -561,4 +609,4 @@ class ContainerParser:
             got = self._filled if self.header is not None else len(self._head)
             want = "a full header" if self.header is None else f"{self.header.total_octets} octets"
             raise ContainerTruncatedError(f"container ended after {got} octets, expected {want}")
-        return Container._over(self.header, self._view, self.digests)
+        return Container._over(self.header, self._view, self.digests, self.sha256)

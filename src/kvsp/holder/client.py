@@ -5,7 +5,7 @@ comes in the replica's codec, each layer is checked against the record's layer d
 as it has arrived (before ``stream`` yields it), ``Repr-Digest`` over every octet once the last
 one is in, and a whole block against the replica digest. A mismatch is a ``DigestError``.
 ``stream`` can only check ``Repr-Digest`` at the end, so its final step raises if that fails,
-after the (already layer-verified) layers were handed over.
+after the (already layer-verified) layers before the last octets were handed over.
 
 Block octets are received in place (``kvsp.web.http1``): the response body lands in the buffer
 the container is parsed from, which a caller can also provide and reuse.
@@ -58,7 +58,9 @@ class BlockReceiver:
             buffer = memoryview(bytearray(size))
         self.buffer = buffer[:size]
         expected = record.layer_digest_octets() or None
-        self._parser = ContainerParser(max_octets=record.size, expected_digests=expected)
+        self._parser = ContainerParser(
+            max_octets=record.size, expected_digests=expected, whole_digest=True
+        )
 
     def received(self, filled: int) -> list[LayerSections]:
         """The layers completed since the last call, each checked against its digest."""
@@ -168,15 +170,20 @@ class HolderClient(ClosingClient):
         layers: tuple[int, int] | None = None,
         buffer: memoryview | None = None,
     ) -> AsyncIterator[LayerSections]:
-        """Each layer as soon as it has arrived and matched its layer digest. The octets land
-        in ``buffer`` when it can hold them (the layers view it: the caller reuses it only
-        after it is done with them)."""
+        """Each layer as soon as it has arrived and matched its layer digest; the layers the
+        last octets complete once ``Repr-Digest`` has matched too (all of it is hashed with
+        them, on a worker thread). The octets land in ``buffer`` when it can hold them (the
+        layers view it: the caller reuses it only after it is done with them)."""
         async with self._receiver(record, layers, buffer) as (response, receiver):
-            filled = 0
+            filled = given = 0
             async for filled in response.fill(receiver.buffer):
-                for layer in receiver.received(filled):
-                    yield layer
-            await asyncio.to_thread(receiver.finish, filled)
+                if filled < len(receiver.buffer):
+                    for layer in receiver.received(filled):
+                        yield layer
+                        given += 1
+            container = await asyncio.to_thread(receiver.finish, filled)
+            for layer in container.layers[given:]:
+                yield layer
 
     async def get_container(self, base: str, path: str, max_octets: int) -> Container:
         """Any container resource (a token range of a sharded cache, say) with no Replica Record

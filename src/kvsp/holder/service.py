@@ -278,6 +278,7 @@ class HolderService:
                     use(block)
                 raise AlreadyStored(f"{block_ref(block)} is already held here")
             container = Container.parse(body, max_octets=self.config.max_block_octets)
+            sha256 = container.sha256()  # and, in the same pass, the layer digests for the meta
             meta = BlockMeta.of(container)
             data: memoryview = container.parts[1]  # type: ignore[assignment]
             try:
@@ -286,7 +287,7 @@ class HolderService:
                 if placement is None:
                     raise
                 record = self.store.put(block, meta, data)
-            self._repr[block] = container.sha256()
+            self._repr[block] = sha256
             if use is not None:
                 use(block)
             return record

@@ -1,0 +1,71 @@
+"""``sha256_ranges``: the digests of any ranges of a buffer are hashlib's, on two lanes (where
+this CPU has the SHA extensions) and without them."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvsp.core import _sha256, sha256
+from kvsp.core.sha256 import sha256_ranges
+
+Ranges = list[tuple[int, int]]
+
+#: lengths around the padding's edges (55/56 octets of tail: one padding block or two)
+EDGES = [0, 1, 55, 56, 57, 63, 64, 65, 119, 120, 127, 128, 129, 1000]
+
+
+@pytest.fixture(params=["lanes", "hashlib"])
+def way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "lanes":
+        if not _sha256.ACCELERATED:
+            pytest.skip("this CPU has no SHA extensions")
+    else:
+        monkeypatch.setattr(sha256, "ACCELERATED", False)
+    return str(request.param)
+
+
+@st.composite
+def buffers_and_ranges(draw: st.DrawFn) -> tuple[bytes, Ranges]:
+    data = draw(st.binary(max_size=3000))
+    ranges = []
+    for _ in range(draw(st.integers(0, 7))):
+        start = draw(st.integers(0, len(data)))
+        length = draw(st.sampled_from(EDGES) | st.integers(0, len(data)))
+        ranges.append((start, min(len(data), start + length)))
+    return data, ranges
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # one way throughout
+@given(buffers_and_ranges())
+def test_each_range_gets_hashlibs_digest(way: str, case: tuple[bytes, Ranges]) -> None:
+    data, ranges = case
+    want = [hashlib.sha256(data[a:b]).digest() for a, b in ranges]
+    assert sha256_ranges(data, ranges) == want
+    assert sha256_ranges(bytearray(data), ranges) == want
+    assert sha256_ranges(memoryview(data), ranges) == want
+
+
+def test_a_container_and_its_layers(way: str) -> None:
+    """The shape a received block has: the whole first, then 30 layers of uneven sizes."""
+    data = os.urandom(737_280 + 517)
+    layers = [(517 + 24_576 * i, 517 + 24_576 * (i + 1)) for i in range(30)]
+    ranges = [(0, len(data)), *layers, (3, 3), (len(data), len(data))]
+    assert sha256_ranges(data, ranges) == [hashlib.sha256(data[a:b]).digest() for a, b in ranges]
+
+
+@pytest.mark.parametrize("bad", [(-1, 2), (3, 2), (0, 11), (11, 11)])
+def test_a_range_outside_the_buffer_is_refused(way: str, bad: tuple[int, int]) -> None:
+    with pytest.raises(ValueError, match="not within 10 octets"):
+        sha256_ranges(bytes(10), [(0, 10), bad])
+
+
+@pytest.mark.skipif(not _sha256.ACCELERATED, reason="this CPU has no SHA extensions")
+@pytest.mark.parametrize("ranges", [[(0, 1, 2)], [[0, 1]], [("0", 1)], 5])
+def test_ranges_that_are_not_pairs_of_ints_are_a_type_error(ranges: object) -> None:
+    with pytest.raises(TypeError):
+        _sha256.digests(bytes(10), ranges)  # type: ignore[arg-type]
