@@ -20,7 +20,7 @@ import hashlib
 import struct
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeAlias
 
 import numpy as np
@@ -127,6 +127,11 @@ class ContainerHeader:
     first_layer: int
     token_count: int
     lengths: tuple[tuple[int, int], ...]
+    #: the octets of all sections (summed once: a parser asks at every step)
+    data_octets: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data_octets", sum(k + v for k, v in self.lengths))
 
     @property
     def layer_count(self) -> int:
@@ -139,10 +144,6 @@ class ContainerHeader:
     @property
     def header_octets(self) -> int:
         return FIXED_HEADER_OCTETS + _ENTRY_OCTETS * len(self.lengths)
-
-    @property
-    def data_octets(self) -> int:
-        return sum(k + v for k, v in self.lengths)
 
     @property
     def total_octets(self) -> int:
