@@ -5,7 +5,7 @@ comes in the replica's codec, each layer is checked against the record's layer d
 as it has arrived (before ``stream`` yields it), ``Repr-Digest`` over every octet once the last
 one is in, and a whole block against the replica digest. A mismatch is a ``DigestError``.
 ``stream`` can only check ``Repr-Digest`` at the end, so its final step raises if that fails,
-after the (already layer-verified) layers before the last octets were handed over.
+after the (already layer-verified) layers were handed over.
 
 Block octets are received in place (``kvsp.web.http1``): the response body lands in the buffer
 the container is parsed from, which a caller can also provide and reuse.
@@ -38,7 +38,10 @@ _JSON_OCTETS = 1 << 20
 class BlockReceiver:
     """Checks one block response whose octets land in ``buffer`` (sans-IO: say how far it is
     filled, as often as wanted, then finish). ``buffer`` is the caller's when it is large
-    enough, else a new one."""
+    enough, else a new one. With ``whole_digest`` the step that completes the container hashes
+    all of it for ``Repr-Digest`` beside its last layers (one pass for both, where ``finish``
+    runs them all at once); without, ``finish`` does (a caller handing layers over as they
+    arrive, on its event loop, keeps the whole-container pass for the worker thread)."""
 
     def __init__(
         self,
@@ -47,6 +50,7 @@ class BlockReceiver:
         repr_digest: str | None,
         length: int | None,
         buffer: memoryview | None = None,
+        whole_digest: bool = True,
     ) -> None:
         self.record = record
         self.layers = layers or (0, record.layer_count - 1)
@@ -59,7 +63,7 @@ class BlockReceiver:
         self.buffer = buffer[:size]
         expected = record.layer_digest_octets() or None
         self._parser = ContainerParser(
-            max_octets=record.size, expected_digests=expected, whole_digest=True
+            max_octets=record.size, expected_digests=expected, whole_digest=whole_digest
         )
 
     def received(self, filled: int) -> list[LayerSections]:
@@ -142,12 +146,13 @@ class HolderClient(ClosingClient):
         record: ReplicaRecord,
         layers: tuple[int, int] | None,
         buffer: memoryview | None = None,
+        whole_digest: bool = True,
     ) -> AsyncIterator[tuple[Response, BlockReceiver]]:
         block = (record.compat_id, record.scope_id, record.block_key)
         params = None if layers is None else {"layers": f"{layers[0]}-{layers[1]}"}
         async with self._request("GET", record.holder, block_ref(block), params=params) as r:
             digest = r.headers.get("repr-digest")
-            yield r, BlockReceiver(record, layers, digest, r.content_length, buffer)
+            yield r, BlockReceiver(record, layers, digest, r.content_length, buffer, whole_digest)
 
     async def get(
         self,
@@ -170,20 +175,15 @@ class HolderClient(ClosingClient):
         layers: tuple[int, int] | None = None,
         buffer: memoryview | None = None,
     ) -> AsyncIterator[LayerSections]:
-        """Each layer as soon as it has arrived and matched its layer digest; the layers the
-        last octets complete once ``Repr-Digest`` has matched too (all of it is hashed with
-        them, on a worker thread). The octets land in ``buffer`` when it can hold them (the
-        layers view it: the caller reuses it only after it is done with them)."""
-        async with self._receiver(record, layers, buffer) as (response, receiver):
-            filled = given = 0
-            async for filled in response.fill(receiver.buffer):
-                if filled < len(receiver.buffer):
-                    for layer in receiver.received(filled):
-                        yield layer
-                        given += 1
-            container = await asyncio.to_thread(receiver.finish, filled)
-            for layer in container.layers[given:]:
-                yield layer
+        """Each layer as soon as it has arrived and matched its layer digest. The octets land
+        in ``buffer`` when it can hold them (the layers view it: the caller reuses it only
+        after it is done with them)."""
+        async with self._receiver(record, layers, buffer, whole_digest=False) as (r, receiver):
+            filled = 0
+            async for filled in r.fill(receiver.buffer):
+                for layer in receiver.received(filled):
+                    yield layer
+            await asyncio.to_thread(receiver.finish, filled)
 
     async def get_container(self, base: str, path: str, max_octets: int) -> Container:
         """Any container resource (a token range of a sharded cache, say) with no Replica Record
