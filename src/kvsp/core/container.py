@@ -436,13 +436,15 @@ class Container:
                     self._digests = tuple(layers)
         return self._sha256
 
+    def _hash_layers(self) -> tuple[bytes, ...]:
+        """Every layer's digest, hashed from the octets now (two at a time over one buffer)."""
+        if self._whole is None:
+            return tuple(layer.digest() for layer in self.layers)
+        return tuple(sha256_ranges(self._whole, [layer.span for layer in self.layers]))
+
     def layer_digests(self) -> tuple[bytes, ...]:
         if self._digests is None:
-            if self._whole is None:
-                self._digests = tuple(layer.digest() for layer in self.layers)
-            else:
-                spans = [layer.span for layer in self.layers]
-                self._digests = tuple(sha256_ranges(self._whole, spans))
+            self._digests = self._hash_layers()
         return self._digests
 
     def digest(self) -> bytes:
@@ -454,7 +456,9 @@ class Container:
         and, when given, that list against the record's replica digest."""
         if replica is not None and replica_digest(layer_digests) != replica:
             raise DigestError("layer digests do not match the replica digest")
-        _check_layers(self.layers, self.layer_digests(), layer_digests)
+        got = self._hash_layers()  # from the octets, whatever was computed before
+        _check_layers(self.layers, got, layer_digests)
+        self._digests = got
 
     def slice(self, first: int, last: int) -> Container:
         """Layers ``first``..``last`` (inclusive, absolute numbers) as a container that views
