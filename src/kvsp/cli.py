@@ -505,7 +505,10 @@ def up_command(
 
     where = folder or Path(tempfile.mkdtemp(prefix="kvsp-up-"))
     cluster = LocalCluster(where, instances, port, g1_blocks, g2_bytes)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop cleanly on SIGTERM too
+    # stop cleanly on SIGTERM too, and on Ctrl-C even when started with SIGINT ignored (as a
+    # shell's background job is)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.default_int_handler)
     try:
         cluster.start()
         _announce(cluster)
