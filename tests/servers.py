@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -33,7 +35,7 @@ def _wait_for(check: object, what: str, timeout_s: float = 60.0) -> None:
     beside another on two busy cores has taken more than 20 s to come up)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(OSError, httpx.HTTPError):  # not listening yet
             if check():  # type: ignore[operator]
                 return
         time.sleep(0.05)
@@ -85,40 +87,64 @@ class RedisServer:
             self.process = None
 
 
+#: Services start as children of one process that imported kvsp's services (torch and
+#: transformers included) once: a fork of it runs the command line, so a service comes up
+#: without its seconds of imports. Each is a real process of its own, on its own port, stopped
+#: with real signals; ``kvsp up``, ``kvsp demo`` and the CLI tests run ``kvsp`` as users do.
+_FORKS = multiprocessing.get_context("forkserver")
+_FORKS.set_forkserver_preload(["kvsp.cli", "kvsp.instance.app"])
+
+
+def _run(argv: list[str], env: dict[str, str], log: str) -> None:
+    """In the forked child: ``kvsp ARGV`` with ``env``, its output to ``log``."""
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
+    from kvsp.cli import main
+
+    main(argv)
+
+
 class Service:
-    """A kvsp service in its own process (``kvsp ARGS...``), stopped with SIGTERM or SIGKILL."""
+    """A kvsp service in its own process (``kvsp ARGS...``), stopped with SIGTERM or SIGKILL.
+    ``log`` holds what it wrote, once stopped."""
 
     def __init__(self, *args: str, port: int | None = None, env: dict[str, str] | None = None):
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/kvsp/"
-        self.args = [str(KVSP), *args, "--port", str(self.port)]
+        self.args = [*args, "--port", str(self.port)]
         self.env = {**os.environ, **(env or {})}
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: multiprocessing.process.BaseProcess | None = None
         self.log = b""
+        self._log = Path(tempfile.mkstemp(prefix="kvsp-service-", suffix=".log")[1])
 
     def start(self, health: str = "healthz") -> Service:
-        self.process = subprocess.Popen(
-            self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env
-        )
+        self._log.write_bytes(b"")
+        self.process = _FORKS.Process(target=_run, args=(self.args, self.env, str(self._log)))
+        self.process.start()
 
         def up() -> bool:
             assert self.process is not None
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.args} exited: {self.process.stdout.read()!r}")  # type: ignore[union-attr]
+            if self.process.exitcode is not None:
+                raise RuntimeError(f"kvsp {self.args} exited: {self._log.read_bytes()!r}")
             return httpx.get(self.base_url + health, timeout=1).status_code < 500
 
-        _wait_for(up, " ".join(self.args))
+        _wait_for(up, "kvsp " + " ".join(self.args))
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.process is not None:
-            self.process.send_signal(sig)
-            try:
-                out, _ = self.process.communicate(timeout=15)
-            except subprocess.TimeoutExpired:
+        if self.process is not None and self.process.pid is not None:  # it was started
+            if self.process.exitcode is None:
+                os.kill(self.process.pid, sig)
+            self.process.join(15)
+            if self.process.exitcode is None:
                 self.process.kill()
-                out, _ = self.process.communicate()
-            self.log = out or b""
+                self.process.join()
+            self.log = self._log.read_bytes()
+            self._log.unlink(missing_ok=True)
             self.process = None
 
 

@@ -186,13 +186,16 @@ async def test_sigkill_mid_generation_resumes_elsewhere_exactly_once(
                     replacement = asyncio.create_task(asyncio.to_thread(cluster.instance().start))
 
                     async def moved(
-                        url: str = f"{pc}sessions/{session}", to: str = second.base_url
-                    ) -> bool:
+                        url: str = f"{pc}sessions/{session}", gone: str = first.base_url
+                    ) -> str | None:
+                        """Where the session went: the other instance, or the replacement when
+                        it was up first."""
                         state = (await http.get(url)).json()
-                        return bool(state["epoch"] == 1 and state["instance"] == to)
+                        went = state["instance"]
+                        return str(went) if state["epoch"] == 1 and went != gone else None
 
-                    await _until(moved, f"failover {kill}")
-                    summary = await _delivered(http, second.base_url, session, 0, got)
+                    to = await _until(moved, f"failover {kill}")
+                    summary = await _delivered(http, to, session, 0, got)
                     assert summary["epoch"] == 1
                     assert sorted(got) == list(range(len(expected))), (kill, stop_after)
                     assert [t for _, (_, t) in sorted(got.items())] == expected
