@@ -215,6 +215,41 @@ async def test_a_sized_body_lands_in_the_callers_buffer_and_the_connection_is_re
 
 
 @pytest.mark.anyio
+async def test_a_body_goes_to_the_requests_sink_only_when_2xx_sized_and_fitting() -> None:
+    body = bytes(range(256)) * 400
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    problem = b"HTTP/1.1 404 Not Found\r\ncontent-length: 4\r\n\r\nnope"
+    chunked = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n"
+    server = canned(answers(ok, problem, chunked, ok, ok, ok))
+    async with server.running() as url:
+        client = Http1Client()
+        sink = memoryview(bytearray(len(body) + 7))
+        async with client.request("GET", url, sink=sink) as r:
+            assert r.in_request_sink
+            with pytest.raises(ValueError, match="request's sink"):
+                await r.receive(memoryview(bytearray(len(body))))
+            assert await r.receive(None) == len(body)
+        assert bytes(sink[: len(body)]) == body
+        for answer in (b"nope", b"hi"):  # a problem document, a body of unknown length
+            async with client.request("GET", url, sink=sink) as r:
+                assert not r.in_request_sink
+                with pytest.raises(ValueError, match="name a sink"):
+                    await r.receive(None)
+                assert await r.read(100) == answer
+        small = memoryview(bytearray(len(body) - 1))
+        async with client.request("GET", url, sink=small) as r:  # does not fit: named later
+            assert not r.in_request_sink
+            assert await r.receive(sink) == len(body)
+        async with client.request("GET", url, sink=sink) as r:  # streamed: progress as before
+            progress = [n async for n in r.fill(None)]
+            assert progress[-1] == len(body)
+            assert progress == sorted(progress)
+        assert bytes(sink[: len(body)]) == body
+        await client.aclose()
+    assert server.connections == 1
+
+
+@pytest.mark.anyio
 async def test_chunked_and_interim_answers_and_request_bodies_in_parts() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         request = await server.request(reader)

@@ -117,6 +117,7 @@ class HolderClient(ClosingClient):
         body: Sequence[bytes | memoryview] = (),
         headers: Mapping[str, str] | None = None,
         params: dict[str, str] | None = None,
+        sink: memoryview | None = None,
     ) -> AsyncIterator[Response]:
         """A 2xx response (problem documents are raised as kvsp errors); a holder that cannot
         be reached, or goes away mid-answer, is ``ServiceUnavailable``."""
@@ -124,7 +125,13 @@ class HolderClient(ClosingClient):
         problem = None
         try:
             async with self._http.request(
-                method, url, params=params, headers=headers, body=body, timeout_s=self._timeout_s
+                method,
+                url,
+                params=params,
+                headers=headers,
+                body=body,
+                timeout_s=self._timeout_s,
+                sink=sink,
             ) as response:
                 if 200 <= response.status < 300:
                     yield response
@@ -147,12 +154,16 @@ class HolderClient(ClosingClient):
         layers: tuple[int, int] | None,
         buffer: memoryview | None = None,
         whole_digest: bool = True,
-    ) -> AsyncIterator[tuple[Response, BlockReceiver]]:
+    ) -> AsyncIterator[tuple[Response, BlockReceiver, memoryview | None]]:
+        """The response, its receiver, and the sink to name when filling (None: the body
+        arrives in the caller's ``buffer`` from the head on)."""
         block = (record.compat_id, record.scope_id, record.block_key)
         params = None if layers is None else {"layers": f"{layers[0]}-{layers[1]}"}
-        async with self._request("GET", record.holder, block_ref(block), params=params) as r:
+        path = block_ref(block)
+        async with self._request("GET", record.holder, path, params=params, sink=buffer) as r:
             digest = r.headers.get("repr-digest")
-            yield r, BlockReceiver(record, layers, digest, r.content_length, buffer, whole_digest)
+            receiver = BlockReceiver(record, layers, digest, r.content_length, buffer, whole_digest)
+            yield r, receiver, None if r.in_request_sink else receiver.buffer
 
     async def get(
         self,
@@ -163,10 +174,8 @@ class HolderClient(ClosingClient):
         """The block (or layers ``a..b``) of ``record`` from its holder, fully verified. The
         octets land in ``buffer`` when it can hold them (the container views it); every check
         runs on a worker thread once they are all in, so the event loop only receives."""
-        async with self._receiver(record, layers, buffer) as (response, receiver):
-            filled = 0
-            async for filled in response.fill(receiver.buffer):  # noqa: B007
-                pass
+        async with self._receiver(record, layers, buffer) as (response, receiver, sink):
+            filled = await response.receive(sink)
             return await asyncio.to_thread(receiver.finish, filled)
 
     async def stream(
@@ -178,9 +187,9 @@ class HolderClient(ClosingClient):
         """Each layer as soon as it has arrived and matched its layer digest. The octets land
         in ``buffer`` when it can hold them (the layers view it: the caller reuses it only
         after it is done with them)."""
-        async with self._receiver(record, layers, buffer, whole_digest=False) as (r, receiver):
+        async with self._receiver(record, layers, buffer, False) as (r, receiver, sink):
             filled = 0
-            async for filled in r.fill(receiver.buffer):
+            async for filled in r.fill(sink):
                 for layer in receiver.received(filled):
                     yield layer
             await asyncio.to_thread(receiver.finish, filled)

@@ -175,10 +175,15 @@ class _Connection(asyncio.BufferedProtocol):
         self._drained: asyncio.Future[None] | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self.closed = False
-        self._reset("GET")
+        self._reset("GET", None)
 
-    def _reset(self, method: str) -> None:
+    def _reset(self, method: str, offered: memoryview | None) -> None:
         self._method = method
+        #: the request's sink: a 2xx body with a length that fits goes there as it arrives
+        self._offered = offered
+        self._into_offered = False
+        #: whether the requesting task wants a wake-up per arrival (else at the end only)
+        self._progress = True
         self._error: BaseException | None = None
         self.head: ResponseHead | None = None
         self._framing: Framing = "none"
@@ -214,7 +219,8 @@ class _Connection(asyncio.BufferedProtocol):
             self._left -= nbytes
             if not self._left:
                 self._end_body()
-            self._wake()
+            if self._progress or self.body_done:
+                self._wake()
             return
         self._fill += nbytes
         try:
@@ -269,6 +275,14 @@ class _Connection(asyncio.BufferedProtocol):
                 self._decoder = ChunkedDecoder()
             if self._framing == "none":
                 self._end_body()
+            elif (
+                self._offered is not None
+                and self._framing == "length"
+                and 200 <= head.status < 300
+                and self._left <= len(self._offered)
+            ):
+                self._sink = self._offered
+                self._into_offered = True
             elif self._transport is not None:
                 self._transport.pause_reading()  # until the caller says where the body goes
             self._wake()
@@ -364,11 +378,16 @@ class _Connection(asyncio.BufferedProtocol):
             raise self._error
 
     async def send(
-        self, method: str, head: bytes, body: Sequence[bytes | memoryview], timeout_s: float
+        self,
+        method: str,
+        head: bytes,
+        body: Sequence[bytes | memoryview],
+        timeout_s: float,
+        sink: memoryview | None,
     ) -> ResponseHead:
         """Write the request; return the response head once it has arrived."""
         assert self._transport is not None
-        self._reset(method)
+        self._reset(method, sink)
         loop = asyncio.get_running_loop()
         self._deadline = loop.call_later(
             timeout_s, self._fail, TimeoutError(f"no complete answer within {timeout_s} s")
@@ -382,9 +401,20 @@ class _Connection(asyncio.BufferedProtocol):
             await self._wait()
         return self.head
 
-    async def fill(self, sink: memoryview) -> AsyncIterator[int]:
-        """Receive the body into ``sink``; yield how many octets of it have arrived, each time
-        more have. Raises ``BodyTooLarge`` (before reading on) when it cannot fit."""
+    @property
+    def in_offered(self) -> bool:
+        """Whether the body goes to the request's sink (decided when the head arrived)."""
+        return self._into_offered
+
+    def _direct(self, sink: memoryview | None) -> None:
+        """Make ``sink`` (None: the request's, which the body already goes to) where the body
+        goes."""
+        if self._into_offered:
+            if sink is not None:
+                raise ValueError("the body goes to the request's sink: fill with None")
+            return
+        if sink is None:
+            raise ValueError("the body does not go to the request's sink: name a sink")
         if self._framing == "length" and self._left > len(sink):
             error = BodyTooLarge(f"response body of {self._left} octets above {len(sink)}")
             self._fail(error)
@@ -397,6 +427,12 @@ class _Connection(asyncio.BufferedProtocol):
                 self._fail(exc)
             if self._transport is not None and not self.closed:
                 self._transport.resume_reading()
+
+    async def fill(self, sink: memoryview | None) -> AsyncIterator[int]:
+        """Receive the body into ``sink`` (None: into the request's sink, where it already
+        goes); yield how many octets of it have arrived, each time more have. Raises
+        ``BodyTooLarge`` (before reading on) when it cannot fit."""
+        self._direct(sink)
         reported = 0
         while True:
             if self._error is not None:
@@ -408,6 +444,16 @@ class _Connection(asyncio.BufferedProtocol):
                 return
             await self._wait()
 
+    async def receive(self, sink: memoryview | None) -> int:
+        """``fill`` with one wake-up at the end instead of one per arrival: the octets."""
+        self._direct(sink)
+        self._progress = False
+        while not self.body_done and self._error is None:
+            await self._wait()
+        if self._error is not None:
+            raise self._error
+        return self._filled
+
 
 class Response:
     """A response whose head has arrived; its body is read with ``fill`` or ``read``."""
@@ -418,10 +464,17 @@ class Response:
         self.headers = head.headers
         #: the body's length when the head states it
         self.content_length = connection.content_length
+        #: whether the body goes to the sink the request named (a 2xx answer whose
+        #: Content-Length fits it): then ``fill`` and ``receive`` take None
+        self.in_request_sink = connection.in_offered
 
-    def fill(self, sink: memoryview) -> AsyncIterator[int]:
+    def fill(self, sink: memoryview | None) -> AsyncIterator[int]:
         """The body into ``sink`` as it arrives; yields the octets received so far."""
         return self._connection.fill(sink)
+
+    async def receive(self, sink: memoryview | None) -> int:
+        """The whole body into ``sink``; the octets received."""
+        return await self._connection.receive(sink)
 
     async def read(self, max_octets: int) -> bytes:
         """The whole body; ``BodyTooLarge`` above ``max_octets``."""
@@ -429,10 +482,7 @@ class Response:
         if size > max_octets:
             raise BodyTooLarge(f"response body of {size} octets above {max_octets}")
         sink = memoryview(bytearray(size))
-        received = 0
-        async for filled in self.fill(sink):
-            received = filled
-        return bytes(sink[:received])
+        return bytes(sink[: await self.receive(sink)])
 
 
 def _check_fields(fields: Mapping[str, str]) -> None:
@@ -495,9 +545,14 @@ class Http1Client:
         headers: Mapping[str, str] | None = None,
         body: Sequence[bytes | memoryview] = (),
         timeout_s: float = 30.0,
+        sink: memoryview | None = None,
     ) -> AsyncIterator[Response]:
         """Send a request; the response's head has arrived when this enters, and its body is
-        read inside. The connection goes back to the pool when the body was read whole."""
+        read inside. The connection goes back to the pool when the body was read whole.
+
+        A 2xx body whose Content-Length fits in ``sink`` goes there as it arrives, from the
+        head on (``Response.in_request_sink``): the connection never stops reading between
+        head and body."""
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         if scheme not in ("http", "https") or not parts.hostname:
@@ -520,7 +575,7 @@ class Http1Client:
         ).encode("latin-1")
         slots = self._slots.setdefault(origin, asyncio.Semaphore(self._limit))
         async with slots:
-            connection, answer = await self._send(origin, method, head, body, timeout_s)
+            connection, answer = await self._send(origin, method, head, body, timeout_s, sink)
             self._busy.add(connection)
             try:
                 yield Response(connection, answer)
@@ -541,13 +596,14 @@ class Http1Client:
         head: bytes,
         body: Sequence[bytes | memoryview],
         timeout_s: float,
+        sink: memoryview | None,
     ) -> tuple[_Connection, ResponseHead]:
         """On a kept-alive connection the peer may have closed meanwhile; an idempotent request
         that got no octet back is sent once more on a new connection."""
         connection = self._idle_connection(origin)
         if connection is not None:
             try:
-                return connection, await connection.send(method, head, body, timeout_s)
+                return connection, await connection.send(method, head, body, timeout_s, sink)
             except BaseException as exc:
                 connection.close()
                 closed_before_answer = isinstance(exc, OSError | ProtocolError) and not (
@@ -557,7 +613,7 @@ class Http1Client:
                     raise
         connection = await self._connect(origin, timeout_s)
         try:
-            return connection, await connection.send(method, head, body, timeout_s)
+            return connection, await connection.send(method, head, body, timeout_s, sink)
         except BaseException:
             connection.close()
             raise
