@@ -3,6 +3,7 @@ client, publishing to a real (in-process) Index Service, bad input and authoriza
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -94,6 +95,22 @@ async def test_verified_get_stream_and_layer_ranges(env: Env) -> None:
         parse_repr_digest(response.headers["repr-digest"])
         == hashlib.sha256(response.content).digest()
     )
+
+
+async def test_a_whole_block_is_served_alike_whether_the_store_is_free_or_busy(env: Env) -> None:
+    record = await env.client("c1").put(env.holder, block_id(1), container(1))
+    c2 = env.client("c2")
+    hits = env.service.store.stats.hits
+    here = await c2.get(record)  # the store is free: read on the event loop
+    busy = env.service._lock  # the store's thread is at work: the read waits for it
+    busy.acquire()
+    pending = asyncio.create_task(c2.get(record))
+    await asyncio.sleep(0.05)
+    assert not pending.done()
+    busy.release()
+    there = await pending
+    assert here.tobytes() == there.tobytes() == container(1).tobytes()
+    assert env.service.store.stats.hits == hits + 2
 
 
 async def test_second_put_is_412_and_keeps_the_first_copy(env: Env) -> None:

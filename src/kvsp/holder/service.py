@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import itertools
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -131,6 +132,8 @@ class HolderService:
         self._snapshot = _Snapshot()
         self.registry.register(self._snapshot)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvsp-holder-store")
+        #: held by whoever works on the store: its thread, or the loop for a quick read
+        self._lock = threading.Lock()
         self._pending: OrderedDict[BlockId, Effect] = OrderedDict()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -139,23 +142,44 @@ class HolderService:
 
     # -- running -------------------------------------------------------------------------------
 
-    async def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the store's thread, then queue the effects it left."""
+    def _run(self, fn: Callable[[], T]) -> tuple[T, list[Effect]]:
+        """``fn`` and the effects it left; the caller holds ``_lock``."""
+        result = fn()
+        effects = self.store.take_effects()
+        for effect in effects:
+            if isinstance(effect, Withdraw):
+                ref = effect.ref
+                self._repr.pop((ref.compat_id, ref.scope_id, ref.block_key), None)
+        return result, effects
 
-        def call() -> tuple[T, list[Effect]]:
-            result = fn()
-            effects = self.store.take_effects()
-            for effect in effects:
-                if isinstance(effect, Withdraw):
-                    ref = effect.ref
-                    self._repr.pop((ref.compat_id, ref.scope_id, ref.block_key), None)
-            return result, effects
-
-        result, effects = await asyncio.get_running_loop().run_in_executor(self._worker, call)
+    def _settle(self, result: T, effects: list[Effect]) -> T:
+        """On the event loop: queue the effects an operation left, tell the observer."""
         self._queue(effects)
         if self.observe is not None and effects:
             self.observe(effects)
         return result
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the store's thread, then queue the effects it left."""
+
+        def call() -> tuple[T, list[Effect]]:
+            with self._lock:
+                return self._run(fn)
+
+        result, effects = await asyncio.get_running_loop().run_in_executor(self._worker, call)
+        return self._settle(result, effects)
+
+    def _call_here(self, fn: Callable[[], T | None]) -> T | None:
+        """Run ``fn`` on the event loop when the store is free this instant, so a quick
+        operation need not wait for the store's thread to wake; None when the store is busy or
+        ``fn`` found the operation not quick (and did nothing)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            result, effects = self._run(fn)
+        finally:
+            self._lock.release()
+        return self._settle(result, effects)
 
     async def start(self) -> None:
         """Take back what the disk tier kept over a restart, then start publishing."""
@@ -315,7 +339,12 @@ class HolderService:
                     self._repr[block] = digest
             return read, digest
 
-        return await self.call(get)
+        def quick() -> tuple[BlockRead, bytes] | None:
+            """A whole block in host memory whose Repr-Digest is known: no I/O, no hashing."""
+            return get() if block in self._repr and self.store.in_host(block) else None
+
+        found = self._call_here(quick) if layers is None else None
+        return found if found is not None else await self.call(get)
 
     # -- leases --------------------------------------------------------------------------------
 

@@ -236,6 +236,11 @@ class BlockStore:
         """Every block held, oldest stored first."""
         return list(self._blocks)
 
+    def in_host(self, block: BlockId) -> bool:
+        """Whether every layer of ``block`` is in host memory (it can be read without I/O)."""
+        entry = self._blocks.get(block)
+        return entry is not None and entry.spans.get("host") == (0, entry.meta.layer_count - 1)
+
     def spans(self, block: BlockId) -> dict[Tier, Span]:
         return dict(self._blocks[block].spans)
 
