@@ -96,7 +96,8 @@ _FORKS.set_forkserver_preload(["kvsp.cli", "kvsp.instance.app"])
 
 
 def _run(argv: list[str], env: dict[str, str], log: str) -> None:
-    """In the forked child: ``kvsp ARGV`` with ``env``, its output to ``log``."""
+    """In the forked child: ``kvsp ARGV`` with ``env``, its output to ``log``. (What the
+    preloaded modules read from the environment on import, they read in the parent.)"""
     os.environ.clear()
     os.environ.update(env)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
