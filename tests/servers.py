@@ -4,6 +4,7 @@ and ASGI apps served by uvicorn inside the test's event loop."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import multiprocessing
 import os
@@ -93,6 +94,17 @@ class RedisServer:
 #: with real signals; ``kvsp up``, ``kvsp demo`` and the CLI tests run ``kvsp`` as users do.
 _FORKS = multiprocessing.get_context("forkserver")
 _FORKS.set_forkserver_preload(["kvsp.cli", "kvsp.instance.app"])
+#: services started and not stopped yet
+_RUNNING: set[multiprocessing.process.BaseProcess] = set()
+
+
+@atexit.register  # after multiprocessing's own: this runs first
+def _kill_left_over() -> None:
+    """A service a failed test left running must not keep the run from ending: at exit the
+    interpreter waits for every child process."""
+    for process in _RUNNING:
+        process.kill()
+        process.join()
 
 
 def _run(argv: list[str], env: dict[str, str], log: str) -> None:
@@ -126,6 +138,7 @@ class Service:
         self._log.write_bytes(b"")
         self.process = _FORKS.Process(target=_run, args=(self.args, self.env, str(self._log)))
         self.process.start()
+        _RUNNING.add(self.process)
 
         def up() -> bool:
             assert self.process is not None
@@ -146,6 +159,7 @@ class Service:
                 self.process.join()
             self.log = self._log.read_bytes()
             self._log.unlink(missing_ok=True)
+            _RUNNING.discard(self.process)
             self.process = None
 
 
