@@ -132,18 +132,20 @@ class Service:
         self.env = {**os.environ, **(env or {})}
         self.process: multiprocessing.process.BaseProcess | None = None
         self.log = b""
-        self._log = Path(tempfile.mkstemp(prefix="kvsp-service-", suffix=".log")[1])
+        self._log: Path | None = None
 
     def start(self, health: str = "healthz") -> Service:
-        self._log.write_bytes(b"")
-        self.process = _FORKS.Process(target=_run, args=(self.args, self.env, str(self._log)))
+        fd, name = tempfile.mkstemp(prefix="kvsp-service-", suffix=".log")
+        os.close(fd)
+        log = self._log = Path(name)
+        self.process = _FORKS.Process(target=_run, args=(self.args, self.env, name))
         self.process.start()
         _RUNNING.add(self.process)
 
         def up() -> bool:
             assert self.process is not None
             if self.process.exitcode is not None:
-                raise RuntimeError(f"kvsp {self.args} exited: {self._log.read_bytes()!r}")
+                raise RuntimeError(f"kvsp {self.args} exited: {log.read_bytes()!r}")
             return httpx.get(self.base_url + health, timeout=1).status_code < 500
 
         _wait_for(up, "kvsp " + " ".join(self.args))
@@ -157,8 +159,9 @@ class Service:
             if self.process.exitcode is None:
                 self.process.kill()
                 self.process.join()
-            self.log = self._log.read_bytes()
-            self._log.unlink(missing_ok=True)
+            if self._log is not None:
+                self.log = self._log.read_bytes()
+                self._log.unlink(missing_ok=True)
             _RUNNING.discard(self.process)
             self.process = None
 

@@ -187,7 +187,8 @@ class HolderClient(ClosingClient):
         """Each layer as soon as it has arrived and matched its layer digest. The octets land
         in ``buffer`` when it can hold them (the layers view it: the caller reuses it only
         after it is done with them)."""
-        async with self._receiver(record, layers, buffer, False) as (r, receiver, sink):
+        receiving = self._receiver(record, layers, buffer, whole_digest=False)
+        async with receiving as (r, receiver, sink):
             filled = 0
             async for filled in r.fill(sink):
                 for layer in receiver.received(filled):

@@ -181,7 +181,8 @@ class _Connection(asyncio.BufferedProtocol):
         self._method = method
         #: the request's sink: a 2xx body with a length that fits goes there as it arrives
         self._offered = offered
-        self._into_offered = False
+        #: whether the body goes to the request's sink (decided when the head arrived)
+        self.in_offered = False
         #: whether the requesting task wants a wake-up per arrival (else at the end only)
         self._progress = True
         self._error: BaseException | None = None
@@ -282,7 +283,7 @@ class _Connection(asyncio.BufferedProtocol):
                 and self._left <= len(self._offered)
             ):
                 self._sink = self._offered
-                self._into_offered = True
+                self.in_offered = True
             elif self._transport is not None:
                 self._transport.pause_reading()  # until the caller says where the body goes
             self._wake()
@@ -401,15 +402,10 @@ class _Connection(asyncio.BufferedProtocol):
             await self._wait()
         return self.head
 
-    @property
-    def in_offered(self) -> bool:
-        """Whether the body goes to the request's sink (decided when the head arrived)."""
-        return self._into_offered
-
     def _direct(self, sink: memoryview | None) -> None:
         """Make ``sink`` (None: the request's, which the body already goes to) where the body
         goes."""
-        if self._into_offered:
+        if self.in_offered:
             if sink is not None:
                 raise ValueError("the body goes to the request's sink: fill with None")
             return
