@@ -204,26 +204,31 @@ class Tamper:
         self.app, self.mode = app, mode
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        bodies = 0  # of this answer: the first is the container's header, then its data
+
         async def altered(message: dict[str, Any]) -> None:
+            nonlocal bodies
             if message["type"] == "http.response.start" and self.mode == "digest":
                 message["headers"] = [
                     (k, b"sha-256=:" + b"A" * 43 + b"=:") if k == b"repr-digest" else (k, v)
                     for k, v in message["headers"]
                 ]
-            if (
-                message["type"] == "http.response.body"
-                and self.mode == "flip"
-                and message.get("more_body") is False
-            ):
+            if message["type"] == "http.response.body":
+                bodies += 1
                 body = bytearray(message["body"])
-                body[-1] ^= 1
+                if self.mode == "flip" and message.get("more_body") is False:
+                    body[-1] ^= 1  # in the last layer
+                elif self.mode == "flip_early" and bodies == 2:
+                    body[10] ^= 1  # in the first layer's K section
+                elif self.mode == "cut" and message.get("more_body") is False:
+                    raise ConnectionResetError("the holder goes away mid-block")
                 message["body"] = bytes(body)
             await send(message)
 
         await self.app(scope, receive, altered)
 
 
-@pytest.mark.parametrize("mode", ["digest", "flip"])
+@pytest.mark.parametrize("mode", ["digest", "flip", "flip_early"])
 async def test_client_never_hands_out_octets_that_fail_verification(env: Env, mode: str) -> None:
     record = await env.client("c1").put(env.holder, block_id(1), container(1))
     async with serving(Tamper(env.app, mode), lifespan="off") as tampered:
@@ -241,8 +246,21 @@ async def test_client_never_hands_out_octets_that_fail_verification(env: Env, mo
             await consume()
     if mode == "flip":
         assert 3 not in received  # the last layer failed its digest before it was handed out
+    elif mode == "flip_early":
+        assert received == []  # the first layer failed: nothing was handed out
     else:  # each layer matched its own digest, so each was handed out before Repr-Digest failed
         assert received == [0, 1, 2, 3]
+
+
+async def test_a_holder_that_goes_away_mid_block_is_unavailable_and_the_client_goes_on(
+    env: Env,
+) -> None:
+    record = await env.client("c1").put(env.holder, block_id(1), container(1))
+    async with serving(Tamper(env.app, "cut"), lifespan="off") as cut:
+        client = env.client("c1")
+        with pytest.raises(ServiceUnavailable):
+            await client.get(record.model_copy(update={"holder": cut}))
+        assert (await client.get(record)).digest() == record.digest_octets
 
 
 async def test_client_checks_the_record_it_was_given(env: Env) -> None:

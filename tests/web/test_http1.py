@@ -250,6 +250,36 @@ async def test_a_body_goes_to_the_requests_sink_only_when_2xx_sized_and_fitting(
 
 
 @pytest.mark.anyio
+async def test_receive_tells_of_every_arrival_from_the_octets_that_came_with_the_head() -> None:
+    body = bytes(range(256)) * 400
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):
+            await server.request(reader)
+            writer.write(head + body[:1000])  # some of the body with the head
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(body[1000:])
+            await writer.drain()
+        await reader.read()
+
+    server = Canned(handler)
+    async with server.running() as url:
+        client = Http1Client()
+        for offered in (True, False):  # the request's sink, or one named once the head is in
+            sink = memoryview(bytearray(len(body)))
+            arrivals: list[int] = []
+            async with client.request("GET", url, sink=sink if offered else None) as r:
+                got = await r.receive(None if offered else sink, arrivals.append)
+            assert got == len(body) == arrivals[-1]
+            assert arrivals[0] == 1000  # told at once of what came with the head
+            assert arrivals == sorted(set(arrivals))
+            assert bytes(sink) == body
+        await client.aclose()
+
+
+@pytest.mark.anyio
 async def test_chunked_and_interim_answers_and_request_bodies_in_parts() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         request = await server.request(reader)

@@ -1,4 +1,5 @@
-/* SHA-256 of several ranges of one buffer, two at a time (kvsp.core._sha256).
+/* SHA-256 of several ranges of one buffer, two at a time, as the buffer fills
+ * (kvsp.core._sha256).
  *
  * Every octet of a block a client receives is hashed twice (KVSP 6.7: Repr-Digest over the
  * container, the layer digests over each layer). With the x86 SHA extensions one SHA-256
@@ -8,9 +9,12 @@
  * lane taking the next range when it finishes one, and every step compresses one block of
  * each lane. The container and its layers then cost about as much as the container alone.
  *
- * digests(buffer, ranges) -> list[bytes]: the SHA-256 of buffer[start:stop] for each
- * (start, stop) in ranges, in order, computed without the GIL. ACCELERATED says whether this
- * CPU has the instructions; without them digests() raises and callers use hashlib.
+ * A block's octets arrive over time, and hashing them as they come hides most of the hashing
+ * behind the transfer. A Hasher keeps its lanes between calls: advance(buffer, filled) hashes
+ * what the first ``filled`` octets of the buffer allow (a range ends once all of it is in)
+ * and returns the indices of the ranges it completed; digest(i) is a completed range's
+ * SHA-256. Hashing runs without the GIL. ACCELERATED says whether this CPU has the
+ * instructions; without them a Hasher cannot be made, and callers use hashlib.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -59,18 +63,6 @@ typedef struct {
     __m128i saved_abef, saved_cdgh;
     __m128i w[4];
 } Lane;
-
-/* One range in progress on a lane: full blocks are read where they lie; the last one or two
- * (the tail and the padding) from ``pad``. */
-typedef struct {
-    const uint8_t *next;
-    Py_ssize_t full_left; /* full blocks still to read from the buffer */
-    int pad_left;         /* padding blocks still to read from pad */
-    int pad_at;
-    Py_ssize_t job;       /* index of the range, -1 when the lane is idle */
-    uint8_t pad[128];
-    Lane lane;
-} Stream;
 
 static SHA_TARGET inline void lane_load(Lane *l, const uint32_t h[8]) {
     __m128i dcba = _mm_loadu_si128((const __m128i *)&h[0]);
@@ -135,71 +127,125 @@ static SHA_TARGET void compress_two(Lane *a, const uint8_t *block_a, Lane *b,
     }
 }
 
-static SHA_TARGET void stream_begin(Stream *s, const uint8_t *base, const Range *r,
-                                    Py_ssize_t job) {
-    Py_ssize_t length = r->stop - r->start;
-    Py_ssize_t tail = length % 64;
-    uint64_t bits = (uint64_t)length * 8;
+/* One range in progress on a lane: full blocks are read where they lie (at ``pos``); the last
+ * one or two (the tail and the padding) from ``pad``, built once the range's end is in. */
+typedef struct {
+    Py_ssize_t pos;      /* offset of the next full block */
+    Py_ssize_t full_end; /* where the range's full blocks end */
+    Py_ssize_t stop;     /* where the range ends */
+    uint64_t bits;       /* the range's length in bits, for the padding */
+    int pad_left;        /* padding blocks, 0 until the range's end is in */
+    int pad_at;
+    Py_ssize_t job;      /* index of the range, -1 when the lane is idle */
+    uint8_t pad[128];
+    Lane lane;
+} Stream;
+
+/* The ranges of one buffer, their digests as they complete, and the two lanes between calls. */
+typedef struct {
+    Py_ssize_t count;
+    Range *ranges;
+    uint8_t (*out)[32];
+    Py_ssize_t next_job;
+    Stream streams[2];
+} Progress;
+
+static SHA_TARGET void stream_begin(Stream *s, const Range *r, Py_ssize_t job) {
     s->job = job;
-    s->next = base + r->start;
-    s->full_left = length / 64;
-    memset(s->pad, 0, sizeof s->pad);
-    memcpy(s->pad, s->next + s->full_left * 64, (size_t)tail);
-    s->pad[tail] = 0x80;
-    s->pad_left = tail < 56 ? 1 : 2;
-    for (int i = 0; i < 8; i++) {
-        s->pad[64 * s->pad_left - 1 - i] = (uint8_t)(bits >> (8 * i));
-    }
+    s->pos = r->start;
+    s->stop = r->stop;
+    s->full_end = r->start + (r->stop - r->start) / 64 * 64;
+    s->bits = (uint64_t)(r->stop - r->start) * 8;
+    s->pad_left = 0;
     s->pad_at = 0;
     lane_load(&s->lane, H256);
 }
 
-/* The block this stream compresses next. */
-static inline const uint8_t *stream_block(const Stream *s) {
-    return s->full_left > 0 ? s->next : s->pad + 64 * s->pad_at;
+/* How many blocks the stream can compress now that the first ``filled`` octets are in: its
+ * full blocks that are in, else (once its end is in) its padding blocks. */
+static Py_ssize_t stream_ready(Stream *s, const uint8_t *base, Py_ssize_t filled) {
+    if (s->job < 0) {
+        return 0;
+    }
+    if (s->pos < s->full_end) {
+        Py_ssize_t in = filled < s->full_end ? filled : s->full_end;
+        return in > s->pos ? (in - s->pos) / 64 : 0;
+    }
+    if (s->pad_left == 0) {
+        if (filled < s->stop) {
+            return 0;
+        }
+        Py_ssize_t tail = s->stop - s->full_end;
+        memset(s->pad, 0, sizeof s->pad);
+        memcpy(s->pad, base + s->full_end, (size_t)tail);
+        s->pad[tail] = 0x80;
+        s->pad_left = tail < 56 ? 1 : 2;
+        for (int i = 0; i < 8; i++) {
+            s->pad[64 * s->pad_left - 1 - i] = (uint8_t)(s->bits >> (8 * i));
+        }
+    }
+    return s->pad_left - s->pad_at;
 }
 
-/* After a block: move on, and when the range is done write its digest and report it. */
+/* The block this stream compresses next. */
+static inline const uint8_t *stream_block(const Stream *s, const uint8_t *base) {
+    return s->pos < s->full_end ? base + s->pos : s->pad + 64 * s->pad_at;
+}
+
+/* After a block: move on; when the range is done, write its digest and return 1. */
 static SHA_TARGET int stream_advance(Stream *s, uint8_t (*out)[32]) {
-    if (s->full_left > 0) {
-        s->next += 64;
-        s->full_left--;
+    if (s->pos < s->full_end) {
+        s->pos += 64;
         return 0;
     }
     if (++s->pad_at < s->pad_left) {
         return 0;
     }
     lane_store(&s->lane, out[s->job]);
-    s->job = -1;
     return 1;
 }
 
-static SHA_TARGET void digest_ranges(const uint8_t *base, const Range *ranges, Py_ssize_t count,
-                                     uint8_t (*out)[32]) {
-    Stream streams[2];
-    Py_ssize_t next_job = 0;
-    for (int i = 0; i < 2; i++) {
-        streams[i].job = -1;
-        if (next_job < count) {
-            stream_begin(&streams[i], base, &ranges[next_job], next_job);
-            next_job++;
-        }
-    }
+static void progress_start(Progress *p) {
+    p->next_job = 0;
+    p->streams[0].job = p->streams[1].job = -1;
+}
+
+/* Hash what the first ``filled`` octets at ``base`` allow. The index of each range completed
+ * goes to ``completed`` (room for every range); returns how many there were. */
+static SHA_TARGET Py_ssize_t progress_advance(Progress *p, const uint8_t *base, Py_ssize_t filled,
+                                              Py_ssize_t *completed) {
+    Py_ssize_t done = 0;
     for (;;) {
-        Stream *a = &streams[0], *b = &streams[1];
-        if (a->job >= 0 && b->job >= 0) {
-            compress_two(&a->lane, stream_block(a), &b->lane, stream_block(b));
-        } else if (a->job >= 0 || b->job >= 0) {
-            Stream *only = a->job >= 0 ? a : b;
-            compress_one(&only->lane, stream_block(only));
-        } else {
-            return;
-        }
         for (int i = 0; i < 2; i++) {
-            Stream *s = &streams[i];
-            if (s->job >= 0 && stream_advance(s, out) && next_job < count) {
-                stream_begin(s, base, &ranges[next_job], next_job);
-                next_job++;
+            Stream *s = &p->streams[i];
+            if (s->job < 0 && p->next_job < p->count) {
+                stream_begin(s, &p->ranges[p->next_job], p->next_job);
+                p->next_job++;
+            }
+        }
+        Stream *a = &p->streams[0], *b = &p->streams[1];
+        Py_ssize_t ready_a = stream_ready(a, base, filled);
+        Py_ssize_t ready_b = stream_ready(b, base, filled);
+        if (ready_a == 0 && ready_b == 0) {
+            return done;
+        }
+        /* both lanes side by side while both can go on, else the one that can; stop at the end
+         * of either lane's run, where a range may have ended and a lane be free */
+        Py_ssize_t run = ready_a == 0 ? ready_b : ready_b == 0 ? ready_a
+                       : ready_a < ready_b ? ready_a : ready_b;
+        for (Py_ssize_t k = 0; k < run; k++) {
+            if (ready_a > 0 && ready_b > 0) {
+                compress_two(&a->lane, stream_block(a, base), &b->lane, stream_block(b, base));
+            } else {
+                Stream *only = ready_a > 0 ? a : b;
+                compress_one(&only->lane, stream_block(only, base));
+            }
+            for (int i = 0; i < 2; i++) {
+                Stream *s = &p->streams[i];
+                if ((i == 0 ? ready_a : ready_b) > 0 && stream_advance(s, p->out)) {
+                    completed[done++] = s->job;
+                    s->job = -1;
+                }
             }
         }
     }
@@ -221,32 +267,21 @@ static int cpu_has_sha(void) {
 
 static int accelerated = 0;
 
-static PyObject *digests(PyObject *module, PyObject *args) {
-    (void)module;
-    Py_buffer view;
-    PyObject *ranges_obj;
-    if (!PyArg_ParseTuple(args, "y*O:digests", &view, &ranges_obj)) {
-        return NULL;
-    }
-    PyObject *result = NULL;
-    Range *ranges = NULL;
-    uint8_t(*out)[32] = NULL;
+/* The ranges of ``ranges_obj`` checked against a buffer of ``length`` octets, in a new array
+ * (NULL with an exception set when one is not a (start, stop) pair within the buffer). */
+static Range *parse_ranges(PyObject *ranges_obj, Py_ssize_t length, Py_ssize_t *count) {
     PyObject *seq = PySequence_Fast(ranges_obj, "ranges must be a sequence of (start, stop)");
     if (seq == NULL) {
-        goto done;
+        return NULL;
     }
-    if (!accelerated) {
-        PyErr_SetString(PyExc_RuntimeError, "this CPU has no SHA extensions; use hashlib");
-        goto done;
-    }
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-    ranges = PyMem_Malloc(sizeof(Range) * (size_t)(count ? count : 1));
-    out = PyMem_Malloc(32 * (size_t)(count ? count : 1));
-    if (ranges == NULL || out == NULL) {
+    *count = PySequence_Fast_GET_SIZE(seq);
+    Range *ranges = PyMem_Malloc(sizeof(Range) * (size_t)(*count ? *count : 1));
+    if (ranges == NULL) {
+        Py_DECREF(seq);
         PyErr_NoMemory();
-        goto done;
+        return NULL;
     }
-    for (Py_ssize_t i = 0; i < count; i++) {
+    for (Py_ssize_t i = 0; i < *count; i++) {
         Py_ssize_t start, stop;
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
         if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "nn", &start, &stop)) {
@@ -254,50 +289,180 @@ static PyObject *digests(PyObject *module, PyObject *args) {
                 PyErr_Clear();
                 PyErr_SetString(PyExc_TypeError, "each range is a (start, stop) tuple of ints");
             }
-            goto done;
+            goto fail;
         }
-        if (start < 0 || stop < start || stop > view.len) {
+        if (start < 0 || stop < start || stop > length) {
             PyErr_Format(PyExc_ValueError, "range (%zd, %zd) is not within %zd octets", start,
-                         stop, view.len);
-            goto done;
+                         stop, length);
+            goto fail;
         }
         ranges[i].start = start;
         ranges[i].stop = stop;
     }
+    Py_DECREF(seq);
+    return ranges;
+fail:
+    Py_DECREF(seq);
+    PyMem_Free(ranges);
+    return NULL;
+}
+
+/* -- Hasher ------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
 #if KVSP_SHA_NI
-    Py_BEGIN_ALLOW_THREADS digest_ranges((const uint8_t *)view.buf, ranges, count, out);
-    Py_END_ALLOW_THREADS
+    Progress progress;
+#endif
+    Py_ssize_t length; /* the buffer's length, fixed by the ranges */
+    Py_ssize_t *completed;
+    char *done;
+    int busy; /* an advance runs without the GIL */
+} Hasher;
+
+static void hasher_dealloc(Hasher *self) {
+#if KVSP_SHA_NI
+    PyMem_Free(self->progress.ranges);
+    PyMem_Free(self->progress.out);
+#endif
+    PyMem_Free(self->completed);
+    PyMem_Free(self->done);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int hasher_init(Hasher *self, PyObject *args, PyObject *kwds) {
+    PyObject *ranges_obj;
+    Py_ssize_t length, count;
+    static char *keywords[] = {"length", "ranges", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "nO:Hasher", keywords, &length, &ranges_obj)) {
+        return -1;
+    }
+    if (!accelerated) {
+        PyErr_SetString(PyExc_RuntimeError, "this CPU has no SHA extensions; use hashlib");
+        return -1;
+    }
+    if (length < 0) {
+        PyErr_SetString(PyExc_ValueError, "length must be >= 0");
+        return -1;
+    }
+    if (self->completed != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a Hasher is set up once");
+        return -1;
+    }
+    Range *ranges = parse_ranges(ranges_obj, length, &count);
+    if (ranges == NULL) {
+        return -1;
+    }
+    size_t room = (size_t)(count ? count : 1);
+    self->completed = PyMem_Malloc(sizeof(Py_ssize_t) * room);
+    self->done = PyMem_Calloc(room, 1);
+#if KVSP_SHA_NI
+    self->progress.ranges = ranges;
+    self->progress.count = count;
+    self->progress.out = PyMem_Malloc(32 * room);
+    progress_start(&self->progress);
+    if (self->progress.out == NULL || self->completed == NULL || self->done == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+#else
+    PyMem_Free(ranges);
+#endif
+    self->length = length;
+    return 0;
+}
+
+static PyObject *hasher_advance(Hasher *self, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t filled;
+    if (!PyArg_ParseTuple(args, "y*n:advance", &view, &filled)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (self->completed == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the Hasher was not set up");
+        goto done;
+    }
+    if (view.len != self->length) {
+        PyErr_Format(PyExc_ValueError, "the buffer has %zd octets; the ranges are within %zd",
+                     view.len, self->length);
+        goto done;
+    }
+    if (filled < 0 || filled > view.len) {
+        PyErr_Format(PyExc_ValueError, "%zd octets filled is not within %zd", filled, view.len);
+        goto done;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "advance is already running on another thread");
+        goto done;
+    }
+    Py_ssize_t count = 0;
+#if KVSP_SHA_NI
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS count =
+        progress_advance(&self->progress, (const uint8_t *)view.buf, filled, self->completed);
+    Py_END_ALLOW_THREADS self->busy = 0;
 #endif
     result = PyList_New(count);
     if (result == NULL) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *d = PyBytes_FromStringAndSize((const char *)out[i], 32);
-        if (d == NULL) {
+        self->done[self->completed[i]] = 1;
+        PyObject *index = PyLong_FromSsize_t(self->completed[i]);
+        if (index == NULL) {
             Py_CLEAR(result);
             goto done;
         }
-        PyList_SET_ITEM(result, i, d);
+        PyList_SET_ITEM(result, i, index);
     }
 done:
-    Py_XDECREF(seq);
-    PyMem_Free(ranges);
-    PyMem_Free(out);
     PyBuffer_Release(&view);
     return result;
 }
 
+static PyObject *hasher_digest(Hasher *self, PyObject *arg) {
+    Py_ssize_t i = PyLong_AsSsize_t(arg);
+    if (i == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+#if KVSP_SHA_NI
+    if (self->completed != NULL && i >= 0 && i < self->progress.count && self->done[i]) {
+        return PyBytes_FromStringAndSize((const char *)self->progress.out[i], 32);
+    }
+#endif
+    PyErr_Format(PyExc_ValueError, "range %zd is not complete", i);
+    return NULL;
+}
+
+static PyMethodDef hasher_methods[] = {
+    {"advance", (PyCFunction)hasher_advance, METH_VARARGS,
+     "advance(buffer, filled) -> list[int]: hash what the first filled octets allow; the "
+     "indices of the ranges completed."},
+    {"digest", (PyCFunction)hasher_digest, METH_O, "digest(i) -> bytes: a completed range's."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject HasherType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvsp.core._sha256.Hasher",
+    .tp_doc = "Hasher(length, ranges): SHA-256 of ranges of a buffer of length octets, hashed "
+              "as it fills.",
+    .tp_basicsize = sizeof(Hasher),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)hasher_init,
+    .tp_dealloc = (destructor)hasher_dealloc,
+    .tp_methods = hasher_methods,
+};
+
 static PyMethodDef methods[] = {
-    {"digests", digests, METH_VARARGS,
-     "digests(buffer, ranges) -> list[bytes]: SHA-256 of buffer[start:stop] for each range."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "kvsp.core._sha256",
-    .m_doc = "SHA-256 of ranges of one buffer, two lanes at a time.",
+    .m_doc = "SHA-256 of ranges of one buffer, two lanes at a time, as it fills.",
     .m_size = -1,
     .m_methods = methods,
 };
@@ -310,7 +475,9 @@ PyMODINIT_FUNC PyInit__sha256(void) {
 #if KVSP_SHA_NI
     accelerated = cpu_has_sha();
 #endif
-    if (PyModule_AddObject(m, "ACCELERATED", PyBool_FromLong(accelerated)) < 0) {
+    if (PyType_Ready(&HasherType) < 0 ||
+        PyModule_AddObject(m, "ACCELERATED", PyBool_FromLong(accelerated)) < 0 ||
+        PyModule_AddObjectRef(m, "Hasher", (PyObject *)&HasherType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

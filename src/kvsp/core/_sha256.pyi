@@ -2,9 +2,10 @@
 
 from collections.abc import Sequence
 
-#: whether this CPU has the SHA extensions ``digests`` needs
+#: whether this CPU has the SHA extensions ``Hasher`` needs
 ACCELERATED: bool
 
-def digests(
-    buffer: bytes | bytearray | memoryview, ranges: Sequence[tuple[int, int]], /
-) -> list[bytes]: ...
+class Hasher:
+    def __init__(self, length: int, ranges: Sequence[tuple[int, int]]) -> None: ...
+    def advance(self, buffer: bytes | bytearray | memoryview, filled: int, /) -> list[int]: ...
+    def digest(self, index: int, /) -> bytes: ...

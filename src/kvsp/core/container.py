@@ -37,7 +37,7 @@ from kvsp.core.problems import (
     LayerRangeError,
 )
 from kvsp.core.registries import CODEC_RAW, CODECS, ElementType
-from kvsp.core.sha256 import sha256_ranges
+from kvsp.core.sha256 import RangeHasher, sha256_ranges
 
 __all__ = [
     "DEFAULT_MAX_CONTAINER_OCTETS",
@@ -481,12 +481,12 @@ class ContainerParser:
     Either ``feed`` it chunks of any size (the buffer for the whole container is allocated
     once, when the header has arrived and its announced size is within ``max_octets``), or let
     the octets land in a buffer of the caller's and tell it how far that is filled with
-    ``received`` (no copy at all). Returned layers view the buffer. With ``expected_digests``
-    (the record's layer digests, indexed by layer number) each layer is verified as it
-    completes, before it is returned. With ``whole_digest`` the step that completes the
-    container also computes the SHA-256 of all of it (``sha256``, for ``Repr-Digest``), on the
-    second lane of the pass that digests the last layers: a receiver that gets everything at
-    once pays for about one pass instead of two. One parser takes one of the two ways, not both.
+    ``received`` (no copy at all). Returned layers view the buffer. Octets are hashed as they
+    arrive: each call hashes what came since the last. With ``expected_digests`` (the record's
+    layer digests, indexed by layer number) each layer is verified as it completes, before it
+    is returned. With ``whole_digest`` the SHA-256 of the whole container (``sha256``, for
+    ``Repr-Digest``) is computed alongside, on the lane beside the layers' (about one pass for
+    both). One parser takes one of the two ways, not both.
     """
 
     __slots__ = (
@@ -496,8 +496,10 @@ class ContainerParser:
         "_expected",
         "_filled",
         "_geometry",
+        "_hasher",
         "_head",
         "_max",
+        "_pending",
         "_view",
         "_whole_digest",
         "digests",
@@ -523,6 +525,9 @@ class ContainerParser:
         self._filled = 0
         self._emitted = 0
         self._ends: list[int] = []
+        self._hasher: RangeHasher | None = None
+        #: the digests of layers complete but not returned yet, by position
+        self._pending: dict[int, bytes] = {}
         self.header: ContainerHeader | None = None
         self.digests: list[bytes] = []
 
@@ -575,10 +580,14 @@ class ContainerParser:
     def _start(self, header: ContainerHeader, view: memoryview) -> None:
         self.header = header
         self._view = view
+        spans = []
         pos = header.header_octets
         for k, v in header.lengths:
+            spans.append((pos, pos + k + v))
             pos += k + v
             self._ends.append(pos)
+        whole = [(0, header.total_octets)] if self._whole_digest else []
+        self._hasher = RangeHasher(header.total_octets, [*whole, *spans])
 
     def _take(self, header: ContainerHeader, data: memoryview) -> list[LayerSections]:
         room = header.total_octets - self._filled
@@ -589,19 +598,21 @@ class ContainerParser:
         return self._emit(header)
 
     def _emit(self, header: ContainerHeader) -> list[LayerSections]:
-        """The layers completed since the last call, each checked."""
+        """Hash what arrived since the last call; the layers completed, in order, each checked."""
+        assert self._hasher is not None
+        first = 1 if self._whole_digest else 0  # the hasher's range 0 is the whole container
+        for index in self._hasher.advance(self._view, self._filled):
+            if index < first:
+                self.sha256 = self._hasher.digest(index)
+            else:
+                self._pending[index - first] = self._hasher.digest(index)
         ready = self._emitted
-        while ready < len(self._ends) and self._ends[ready] <= self._filled:
+        while ready in self._pending:
             ready += 1
         if ready == self._emitted:
             return []
         layers = _layers(header, self._view[header.header_octets :], self._emitted, ready)
-        spans = [layer.span for layer in layers]
-        whole = self._whole_digest and ready == len(self._ends)
-        if whole:  # first: the longest range keeps one lane busy while the other takes layers
-            self.sha256, *got = sha256_ranges(self._view, [(0, header.total_octets), *spans])
-        else:
-            got = sha256_ranges(self._view, spans)
+        got = [self._pending.pop(i) for i in range(self._emitted, ready)]
         if self._expected is not None:
             _check_layers(layers, got, self._expected)
         self.digests.extend(got)

@@ -8,15 +8,21 @@ one is in, and a whole block against the replica digest. A mismatch is a ``Diges
 after the (already layer-verified) layers were handed over.
 
 Block octets are received in place (``kvsp.web.http1``): the response body lands in the buffer
-the container is parsed from, which a caller can also provide and reuse.
+the container is parsed from, which a caller can also provide and reuse. ``get`` hashes them
+on worker threads while the rest is still arriving (``ArrivalChecks``), so by the time the
+last octet is in, most of the checking is done: a block's time to first use is about its
+transfer, not its transfer plus two SHA-256 passes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
+import threading
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from kvsp.core.container import Container, ContainerParser, LayerSections
@@ -29,7 +35,7 @@ from kvsp.holder.blocks import BlockId, block_ref
 from kvsp.web.client import ClosingClient, auth_headers, problem_for
 from kvsp.web.http1 import BodyTooLarge, Http1Client, ProtocolError, Response
 
-__all__ = ["BlockReceiver", "HolderClient"]
+__all__ = ["ArrivalChecks", "BlockReceiver", "HolderClient"]
 
 #: the most octets of a problem document or JSON answer read from a holder
 _JSON_OCTETS = 1 << 20
@@ -38,10 +44,10 @@ _JSON_OCTETS = 1 << 20
 class BlockReceiver:
     """Checks one block response whose octets land in ``buffer`` (sans-IO: say how far it is
     filled, as often as wanted, then finish). ``buffer`` is the caller's when it is large
-    enough, else a new one. With ``whole_digest`` the step that completes the container hashes
-    all of it for ``Repr-Digest`` beside its last layers (one pass for both, where ``finish``
-    runs them all at once); without, ``finish`` does (a caller handing layers over as they
-    arrive, on its event loop, keeps the whole-container pass for the worker thread)."""
+    enough, else a new one. Each call hashes what arrived since the last. With
+    ``whole_digest`` the whole container is hashed for ``Repr-Digest`` alongside its layers
+    (about one pass for both); without, ``finish`` hashes it at the end (a caller handing
+    layers over as they arrive, on its event loop, keeps that pass for a worker thread)."""
 
     def __init__(
         self,
@@ -94,18 +100,99 @@ class BlockReceiver:
         return container
 
 
+class ArrivalChecks:
+    """A ``BlockReceiver``'s checks run on worker threads while the octets arrive.
+
+    The event loop says how far the buffer is filled (``arrived``, cheap: it only hands work
+    over); at most one job per block runs at a time, hashing what is in and going on while more
+    comes; ``done`` starts the final checks once every octet is in, and ``result`` awaits the
+    verified container (or the error). ``abandon`` stops the work of a block given up on."""
+
+    def __init__(self, receiver: BlockReceiver, workers: Executor) -> None:
+        self._receiver = receiver
+        self._workers = workers
+        self._loop = asyncio.get_running_loop()
+        self._result: asyncio.Future[Container] = self._loop.create_future()
+        self._lock = threading.Lock()
+        self._filled = 0
+        self._final = False
+        self._running = False
+        self._abandoned = False
+
+    def arrived(self, filled: int) -> None:
+        """On the loop: ``filled`` octets are in (never raises: a failure is the result's)."""
+        self._hand_over(filled, final=False)
+
+    def done(self, filled: int) -> None:
+        """On the loop: the body is complete with ``filled`` octets."""
+        self._hand_over(filled, final=True)
+
+    async def result(self) -> Container:
+        return await self._result
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+
+    def _hand_over(self, filled: int, final: bool) -> None:
+        with self._lock:
+            self._filled, self._final = filled, final
+            if self._running or self._abandoned:
+                return
+            self._running = True
+        try:
+            self._workers.submit(self._work)
+        except RuntimeError as exc:  # the client is closing
+            self._settle(None, exc)
+
+    def _work(self) -> None:
+        """On a worker: hash what is in until nothing more has come, then stop (the next
+        arrival starts a new job); the final checks once everything is in."""
+        while True:
+            with self._lock:
+                filled, final = self._filled, self._final
+                if self._abandoned:
+                    self._running = False
+                    return
+            try:
+                if final:
+                    container = self._receiver.finish(filled)
+                    self._loop.call_soon_threadsafe(self._settle, container, None)
+                    return
+                self._receiver.received(filled)
+            except Exception as exc:  # a digest mismatch, a malformed container
+                self._loop.call_soon_threadsafe(self._settle, None, exc)
+                return
+            with self._lock:
+                if (self._filled, self._final) == (filled, final):
+                    self._running = False
+                    return
+
+    def _settle(self, container: Container | None, error: BaseException | None) -> None:
+        if self._result.done():
+            return
+        if error is not None:
+            self._result.set_exception(error)
+        else:
+            assert container is not None
+            self._result.set_result(container)
+
+
 class HolderClient(ClosingClient):
     """Talks to any holder (records name their holder's base URL) with one bearer token, over
-    at most ``connections`` kept-alive connections per holder."""
+    at most ``connections`` kept-alive connections per holder. Received blocks are checked on
+    a thread per core (hashing is all the work they do, so more would only take turns)."""
 
     def __init__(
         self, token: str | None = None, timeout_s: float = 30.0, connections: int = 64
     ) -> None:
         self._timeout_s = timeout_s
         self._http = Http1Client(connections, auth_headers(token))
+        self._workers = ThreadPoolExecutor(os.cpu_count() or 1, "kvsp-block-checks")
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        self._workers.shutdown(wait=False, cancel_futures=True)
 
     @asynccontextmanager
     async def _request(
@@ -172,11 +259,15 @@ class HolderClient(ClosingClient):
         buffer: memoryview | None = None,
     ) -> Container:
         """The block (or layers ``a..b``) of ``record`` from its holder, fully verified. The
-        octets land in ``buffer`` when it can hold them (the container views it); every check
-        runs on a worker thread once they are all in, so the event loop only receives."""
+        octets land in ``buffer`` when it can hold them (the container views it); the checks
+        run on worker threads as they arrive, so the event loop only receives."""
         async with self._receiver(record, layers, buffer) as (response, receiver, sink):
-            filled = await response.receive(sink)
-            return await asyncio.to_thread(receiver.finish, filled)
+            checks = ArrivalChecks(receiver, self._workers)
+            try:
+                checks.done(await response.receive(sink, checks.arrived))
+                return await checks.result()
+            finally:
+                checks.abandon()
 
     async def stream(
         self,

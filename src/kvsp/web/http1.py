@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import re
 import ssl
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal, cast
@@ -185,6 +185,8 @@ class _Connection(asyncio.BufferedProtocol):
         self.in_offered = False
         #: whether the requesting task wants a wake-up per arrival (else at the end only)
         self._progress = True
+        #: told, on the loop, how many octets are in the sink each time more have arrived
+        self._on_arrival: Callable[[int], None] | None = None
         self._error: BaseException | None = None
         self.head: ResponseHead | None = None
         self._framing: Framing = "none"
@@ -220,6 +222,8 @@ class _Connection(asyncio.BufferedProtocol):
             self._left -= nbytes
             if not self._left:
                 self._end_body()
+            if self._on_arrival is not None:
+                self._on_arrival(self._filled)
             if self._progress or self.body_done:
                 self._wake()
             return
@@ -327,6 +331,8 @@ class _Connection(asyncio.BufferedProtocol):
         if used < len(data):
             raise ProtocolError(f"{len(data) - used} octets after the end of the answer")
         self._fill = 0
+        if used and self._on_arrival is not None:
+            self._on_arrival(self._filled)
         self._wake()
 
     def _end_body(self) -> None:
@@ -440,10 +446,18 @@ class _Connection(asyncio.BufferedProtocol):
                 return
             await self._wait()
 
-    async def receive(self, sink: memoryview | None) -> int:
-        """``fill`` with one wake-up at the end instead of one per arrival: the octets."""
+    async def receive(
+        self, sink: memoryview | None, on_arrival: Callable[[int], None] | None = None
+    ) -> int:
+        """``fill`` with one wake-up at the end instead of one per arrival: the octets.
+        ``on_arrival`` is called on the loop with the octets in the sink so far, at once and
+        each time more have arrived (it must not raise)."""
         self._direct(sink)
         self._progress = False
+        if on_arrival is not None:
+            self._on_arrival = on_arrival
+            if self._filled:
+                on_arrival(self._filled)
         while not self.body_done and self._error is None:
             await self._wait()
         if self._error is not None:
@@ -468,9 +482,12 @@ class Response:
         """The body into ``sink`` as it arrives; yields the octets received so far."""
         return self._connection.fill(sink)
 
-    async def receive(self, sink: memoryview | None) -> int:
-        """The whole body into ``sink``; the octets received."""
-        return await self._connection.receive(sink)
+    async def receive(
+        self, sink: memoryview | None, on_arrival: Callable[[int], None] | None = None
+    ) -> int:
+        """The whole body into ``sink``; the octets received. ``on_arrival`` is told, on the
+        loop, how many octets are in so far, each time more have arrived (it must not raise)."""
+        return await self._connection.receive(sink, on_arrival)
 
     async def read(self, max_octets: int) -> bytes:
         """The whole body; ``BodyTooLarge`` above ``max_octets``."""
