@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvsp.core.container import Container
 from kvsp.core.digests import parse_repr_digest
 from kvsp.core.problems import (
     AlreadyStored,
@@ -200,8 +201,8 @@ async def test_get_needs_the_scope_and_a_valid_path(env: Env) -> None:
 class Tamper:
     """An ASGI wrapper that alters a holder's block answers on the way out."""
 
-    def __init__(self, app: Any, mode: str) -> None:
-        self.app, self.mode = app, mode
+    def __init__(self, app: Any, mode: str, delay_s: float = 0.0) -> None:
+        self.app, self.mode, self.delay_s = app, mode, delay_s
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         bodies = 0  # of this answer: the first is the container's header, then its data
@@ -223,6 +224,8 @@ class Tamper:
                 elif self.mode == "cut" and message.get("more_body") is False:
                     raise ConnectionResetError("the holder goes away mid-block")
                 message["body"] = bytes(body)
+                if bodies == 2:
+                    await asyncio.sleep(self.delay_s)  # the header goes out, the data later
             await send(message)
 
         await self.app(scope, receive, altered)
@@ -250,6 +253,37 @@ async def test_client_never_hands_out_octets_that_fail_verification(env: Env, mo
         assert received == []  # the first layer failed: nothing was handed out
     else:  # each layer matched its own digest, so each was handed out before Repr-Digest failed
         assert received == [0, 1, 2, 3]
+
+
+async def test_blocks_received_together_are_checked_apart(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several gets at once, their data late (so each is received while others are): checked
+    on worker threads, each good block arrives whole and verified and each tampered one fails,
+    whatever the others do; a get alone is checked on the loop."""
+    client = env.client("c1")
+    blocks = [container(n) for n in range(2)]
+    records = [await client.put(env.holder, block_id(n), c) for n, c in enumerate(blocks)]
+    jobs: list[object] = []
+    submit = client._workers.submit
+    monkeypatch.setattr(client._workers, "submit", lambda *a: jobs.append(a) or submit(*a))
+    async with (
+        serving(Tamper(env.app, "flip_early", delay_s=0.05), lifespan="off") as tampered,
+        serving(Tamper(env.app, "none", delay_s=0.05), lifespan="off") as slow,
+    ):
+        asked = [records[0].model_copy(update={"holder": tampered})]
+        asked.append(records[1].model_copy(update={"holder": slow}))
+        got = await asyncio.gather(*(client.get(r) for r in asked * 3), return_exceptions=True)
+        for n, outcome in enumerate(got):
+            if n % 2:
+                assert isinstance(outcome, Container)
+                assert outcome.tobytes() == blocks[1].tobytes()
+            else:
+                assert isinstance(outcome, DigestError)
+    assert jobs  # checked on worker threads
+    jobs.clear()
+    assert (await client.get(records[1])).tobytes() == blocks[1].tobytes()
+    assert not jobs  # alone: checked on the loop
 
 
 async def test_a_holder_that_goes_away_mid_block_is_unavailable_and_the_client_goes_on(

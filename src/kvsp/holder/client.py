@@ -21,7 +21,7 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
@@ -101,16 +101,24 @@ class BlockReceiver:
 
 
 class ArrivalChecks:
-    """A ``BlockReceiver``'s checks run on worker threads while the octets arrive.
+    """A ``BlockReceiver``'s checks, run while the octets arrive.
 
-    The event loop says how far the buffer is filled (``arrived``, cheap: it only hands work
-    over); at most one job per block runs at a time, hashing what is in and going on while more
-    comes; ``done`` starts the final checks once every octet is in, and ``result`` awaits the
-    verified container (or the error). ``abandon`` stops the work of a block given up on."""
+    The event loop says how far the buffer is filled (``arrived``); at most one job per block
+    runs at a time, hashing what is in and going on while more comes; ``done`` starts the final
+    checks once every octet is in, and ``result`` awaits the verified container (or the error).
+    ``abandon`` stops the work of a block given up on.
 
-    def __init__(self, receiver: BlockReceiver, workers: Executor) -> None:
+    A job runs on a worker thread while other blocks are being received (the loop keeps
+    receiving them), and on the loop itself when this block is the only one (``alone``): the
+    loop has nothing else to do then, and waking a sleeping worker thread costs more than the
+    hashing of a first arrival (100-400 us on virtual machines)."""
+
+    def __init__(
+        self, receiver: BlockReceiver, workers: Executor, alone: Callable[[], bool]
+    ) -> None:
         self._receiver = receiver
         self._workers = workers
+        self._alone = alone
         self._loop = asyncio.get_running_loop()
         self._result: asyncio.Future[Container] = self._loop.create_future()
         self._lock = threading.Lock()
@@ -140,14 +148,17 @@ class ArrivalChecks:
             if self._running or self._abandoned:
                 return
             self._running = True
+        if self._alone():
+            self._work(self._settle)
+            return
         try:
-            self._workers.submit(self._work)
+            self._workers.submit(self._work, self._settle_from_worker)
         except RuntimeError as exc:  # the client is closing
             self._settle(None, exc)
 
-    def _work(self) -> None:
-        """On a worker: hash what is in until nothing more has come, then stop (the next
-        arrival starts a new job); the final checks once everything is in."""
+    def _work(self, settle: Callable[[Container | None, Exception | None], None]) -> None:
+        """Hash what is in until nothing more has come, then stop (the next arrival starts a
+        new job); the final checks once everything is in."""
         while True:
             with self._lock:
                 filled, final = self._filled, self._final
@@ -156,19 +167,21 @@ class ArrivalChecks:
                     return
             try:
                 if final:
-                    container = self._receiver.finish(filled)
-                    self._loop.call_soon_threadsafe(self._settle, container, None)
+                    settle(self._receiver.finish(filled), None)
                     return
                 self._receiver.received(filled)
             except Exception as exc:  # a digest mismatch, a malformed container
-                self._loop.call_soon_threadsafe(self._settle, None, exc)
+                settle(None, exc)
                 return
             with self._lock:
                 if (self._filled, self._final) == (filled, final):
                     self._running = False
                     return
 
-    def _settle(self, container: Container | None, error: BaseException | None) -> None:
+    def _settle_from_worker(self, container: Container | None, error: Exception | None) -> None:
+        self._loop.call_soon_threadsafe(self._settle, container, error)
+
+    def _settle(self, container: Container | None, error: Exception | None) -> None:
         if self._result.done():
             return
         if error is not None:
@@ -189,6 +202,8 @@ class HolderClient(ClosingClient):
         self._timeout_s = timeout_s
         self._http = Http1Client(connections, auth_headers(token))
         self._workers = ThreadPoolExecutor(os.cpu_count() or 1, "kvsp-block-checks")
+        #: blocks being received by ``get`` now
+        self._receiving = 0
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -260,13 +275,15 @@ class HolderClient(ClosingClient):
     ) -> Container:
         """The block (or layers ``a..b``) of ``record`` from its holder, fully verified. The
         octets land in ``buffer`` when it can hold them (the container views it); the checks
-        run on worker threads as they arrive, so the event loop only receives."""
+        run as they arrive (``ArrivalChecks``)."""
         async with self._receiver(record, layers, buffer) as (response, receiver, sink):
-            checks = ArrivalChecks(receiver, self._workers)
+            checks = ArrivalChecks(receiver, self._workers, lambda: self._receiving == 1)
+            self._receiving += 1
             try:
                 checks.done(await response.receive(sink, checks.arrived))
                 return await checks.result()
             finally:
+                self._receiving -= 1
                 checks.abandon()
 
     async def stream(
