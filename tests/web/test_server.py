@@ -1,8 +1,10 @@
-"""``ExactRoutes``: routes served ahead of Starlette answer errors exactly as Starlette's
-handlers do, and everything else still reaches the app."""
+"""``ExactRoutes``: routes served ahead of Starlette (exact paths, and paths ending in
+parameters) answer errors exactly as Starlette's handlers do, and everything else still reaches
+the app."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import httpx
@@ -12,7 +14,13 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kvsp.core.problems import RecordError
-from kvsp.web.server import AsgiEndpoint, ExactRoutes, install_problem_handlers, send_json
+from kvsp.web.server import (
+    AsgiEndpoint,
+    ExactRoutes,
+    install_problem_handlers,
+    routed_endpoints,
+    send_json,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -59,3 +67,29 @@ async def test_exact_routes_and_their_errors(caplog: pytest.LogCaptureFixture) -
     failures = [r for r in caplog.records if r.name == "kvsp.test"]
     assert len(failures) == 4
     assert failures[1].exc_info is not None
+
+
+async def test_routes_with_parameters_ahead_of_starlette() -> None:
+    served: list[tuple[str, bool]] = []  # path, and whether Starlette's router routed it
+
+    async def echo(scope: Scope, receive: Receive, send: Send) -> None:
+        served.append((scope["path"], "endpoint" in scope))
+        await send_json(send, json.dumps(scope["path_params"]).encode())
+
+    path = "/v/items/{kind}/{item_id}"
+    endpoint = AsgiEndpoint(echo)
+    app = Starlette(routes=[Route(path, endpoint, methods=["GET"])])
+    responder = install_problem_handlers(app, logging.getLogger("kvsp.test"), lambda _: None)
+    assert routed_endpoints(app, ("GET", path)) == {("GET", path): endpoint}
+    exact = ExactRoutes(app, routed_endpoints(app, ("GET", path)), responder)
+    transport = httpx.ASGITransport(app=exact)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        assert (await client.get("/v/items/a/7")).json() == {"kind": "a", "item_id": "7"}
+        for other in ("/v/items/a", "/v/items/a/7/x", "/v/items//7", "/v/other/a/7"):
+            assert (await client.get(other)).status_code == 404  # Starlette's router answers
+        assert (await client.put("/v/items/a/7")).status_code == 405
+    assert served == [("/v/items/a/7", False)]  # served ahead of the router
+    with pytest.raises(ValueError, match="whole segments"):
+        ExactRoutes(app, {("GET", "/v/{kind}x/{item_id}"): endpoint}, responder)
+    with pytest.raises(ValueError, match="no route"):
+        routed_endpoints(app, ("PUT", path))

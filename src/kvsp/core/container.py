@@ -129,6 +129,8 @@ class ContainerHeader:
     lengths: tuple[tuple[int, int], ...]
     #: the octets of all sections (summed once: a parser asks at every step)
     data_octets: int = field(init=False, repr=False, compare=False)
+    #: the encoding, once asked for (a holder sends a stored block's header with every GET)
+    _encoded: bytes | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_octets", sum(k + v for k, v in self.lengths))
@@ -150,11 +152,14 @@ class ContainerHeader:
         return self.header_octets + self.data_octets
 
     def encode(self) -> bytes:
-        fixed = _FIXED.pack(
-            MAGIC, VERSION, 0, self.codec, self.first_layer, len(self.lengths), self.token_count
-        )
-        flat = [n for pair in self.lengths for n in pair]
-        return fixed + struct.pack(f">{len(flat)}Q", *flat)
+        if self._encoded is None:
+            fixed = _FIXED.pack(
+                MAGIC, VERSION, 0, self.codec, self.first_layer, len(self.lengths), self.token_count
+            )
+            flat = [n for pair in self.lengths for n in pair]
+            object.__setattr__(self, "_encoded", fixed + struct.pack(f">{len(flat)}Q", *flat))
+        assert self._encoded is not None
+        return self._encoded
 
     def check(self, geometry: Geometry | None = None) -> None:
         """Consistency of counts and lengths; with a geometry, exact raw section sizes."""

@@ -31,6 +31,7 @@ from kvsp.holder.blocks import BlockId
 from kvsp.holder.service import HolderService
 from kvsp.web.server import (
     AsgiEndpoint,
+    ExactRoutes,
     header_value,
     install_problem_handlers,
     json_response,
@@ -38,13 +39,17 @@ from kvsp.web.server import (
     principal_of,
     read_body,
     read_json_body,
+    routed_endpoints,
 )
 
-__all__ = ["block_routes", "create_app", "parse_block_query"]
+__all__ = ["BLOCK_GET", "block_routes", "create_app", "parse_block_query"]
 
 log = logging.getLogger("kvsp.holder")
 
 BASE = "/kvsp/"
+BLOCK = BASE + "blocks/{compat}/{scope}/{block_key}"
+#: the route served ahead of Starlette's middleware and router (``ExactRoutes``)
+BLOCK_GET = ("GET", BLOCK)
 _LAYERS = re.compile(r"([0-9]{1,9})-([0-9]{1,9})")
 _JSON_BODY_OCTETS = 1 << 20
 
@@ -60,6 +65,8 @@ def _block_of(params: dict[str, str]) -> BlockId:
 def parse_block_query(query: bytes) -> tuple[int, int] | None:
     """The ``layers=a-b`` range of a block GET; ``codec=n`` is checked and otherwise ignored
     (the stored codec is served)."""
+    if not query:
+        return None
     try:
         params = parse_qs(query.decode("ascii"), strict_parsing=bool(query), max_num_fields=4)
     except (UnicodeDecodeError, ValueError):
@@ -139,18 +146,17 @@ def block_routes(service: HolderService, principals: Principals) -> list[Route]:
         await service.release_lease(principal, request.path_params["lease"])
         return Response(status_code=204)
 
-    block = BASE + "blocks/{compat}/{scope}/{block_key}"
     lease = BASE + "leases/{lease}"
     return [
-        Route(block, AsgiEndpoint(get_block), methods=["GET"]),
-        Route(block, put_block, methods=["PUT"]),
+        Route(BLOCK, AsgiEndpoint(get_block), methods=["GET"]),
+        Route(BLOCK, put_block, methods=["PUT"]),
         Route(BASE + "leases", grant_lease, methods=["POST"]),
         Route(lease, renew_lease, methods=["PUT"]),
         Route(lease, release_lease, methods=["DELETE"]),
     ]
 
 
-def create_app(service: HolderService, principals: Principals) -> Starlette:
+def create_app(service: HolderService, principals: Principals) -> ExactRoutes:
     async def healthz(_: Request) -> Response:
         return json_response(b'{"status":"ok"}')
 
@@ -166,5 +172,5 @@ def create_app(service: HolderService, principals: Principals) -> Starlette:
         ],
         lifespan=lifespan_of(service.start, service.close),
     )
-    install_problem_handlers(app, log, lambda slug: service.rejected.labels(slug).inc())
-    return app
+    responder = install_problem_handlers(app, log, lambda slug: service.rejected.labels(slug).inc())
+    return ExactRoutes(app, routed_endpoints(app, BLOCK_GET), responder)

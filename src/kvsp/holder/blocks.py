@@ -42,11 +42,15 @@ class BlockMeta:
     size: int = field(init=False, repr=False, compare=False)
     digest_text: str = field(init=False, repr=False, compare=False)
     layer_digests_hex: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    #: the whole block's container header, served with every whole-block GET
+    whole_header: ContainerHeader = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ends = itertools.accumulate((k + v for k, v in self.lengths), initial=0)
         object.__setattr__(self, "offsets", tuple(ends))
-        object.__setattr__(self, "size", self.header(0, self.layer_count - 1).total_octets)
+        whole = ContainerHeader(self.codec, 0, self.token_count, self.lengths)
+        object.__setattr__(self, "whole_header", whole)
+        object.__setattr__(self, "size", whole.total_octets)
         object.__setattr__(self, "digest_text", "sha-256:" + self.digest.hex())
         object.__setattr__(self, "layer_digests_hex", tuple(d.hex() for d in self.layer_digests))
 
@@ -70,6 +74,8 @@ class BlockMeta:
         return replica_digest(self.layer_digests)
 
     def header(self, first: int, last: int) -> ContainerHeader:
+        if (first, last) == (0, len(self.lengths) - 1):
+            return self.whole_header
         return ContainerHeader(self.codec, first, self.token_count, self.lengths[first : last + 1])
 
     def range_octets(self, first: int, last: int) -> int:

@@ -141,7 +141,6 @@ class BlockRead:
 
     header: ContainerHeader
     parts: tuple[memoryview, ...]
-    record: ReplicaRecord
     #: milliseconds until the published record expires (for ``Cache-Control: max-age``)
     remaining_ttl_ms: int
 
@@ -382,7 +381,7 @@ class BlockStore:
         self.stats.hits += 1
         self._touch(block, entry)
         remaining = entry.published_at + self.record_ttl_ms - self.clock.now_ms()
-        return BlockRead(meta.header(lo, hi), tuple(parts), self._record(block, entry), remaining)
+        return BlockRead(meta.header(lo, hi), tuple(parts), remaining)
 
     @staticmethod
     def _holds(entry: _Block, first: int, last: int) -> bool:

@@ -31,16 +31,18 @@ from kvsp.core.records import (
     Uuid,
 )
 from kvsp.core.registries import BLOCK_MEDIA_TYPE
-from kvsp.holder.app import block_routes
+from kvsp.holder.app import BLOCK_GET, block_routes
 from kvsp.instance.hints import KvHints
 from kvsp.instance.service import InstanceService, TokenEvent
 from kvsp.web.server import (
+    ExactRoutes,
     install_problem_handlers,
     json_response,
     lifespan_of,
     parse_json_object,
     principal_of,
     read_json_body,
+    routed_endpoints,
 )
 
 __all__ = ["GenerateRequest", "ShardLoad", "create_app"]
@@ -94,7 +96,7 @@ def _count(query: Mapping[str, str], name: str, default: int, most: int) -> int:
     return int(raw)
 
 
-def create_app(service: InstanceService, principals: Principals) -> Starlette:
+def create_app(service: InstanceService, principals: Principals) -> ExactRoutes:
     base = "/kvsp/"
 
     async def body(request: Request) -> bytes:
@@ -261,5 +263,7 @@ def create_app(service: InstanceService, principals: Principals) -> Starlette:
         ],
         lifespan=lifespan_of(service.start, service.close),
     )
-    install_problem_handlers(app, log, lambda slug: service.holder.rejected.labels(slug).inc())
-    return app
+    responder = install_problem_handlers(
+        app, log, lambda slug: service.holder.rejected.labels(slug).inc()
+    )
+    return ExactRoutes(app, routed_endpoints(app, BLOCK_GET), responder)

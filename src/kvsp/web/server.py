@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
@@ -20,6 +21,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvsp.auth import Principal, Principals
@@ -46,10 +48,13 @@ __all__ = [
     "principal_of",
     "read_body",
     "read_json_body",
+    "routed_endpoints",
     "send_json",
 ]
 
 _ACCEPTED_TYPES = (JSON_MEDIA_TYPE, "application/json")
+#: a path segment that is a parameter, as Starlette writes it
+_PARAMETER = re.compile(r"\{[A-Za-z_][A-Za-z0-9_]*\}")
 
 
 def json_response(body: bytes, status: int = 200) -> Response:
@@ -123,22 +128,46 @@ def install_problem_handlers(
 
 
 class ExactRoutes:
-    """An ASGI app that serves a few (method, exact path) routes itself, ahead of Starlette's
-    middleware and router (about 10 us a request, as much as a whole index lookup), and hands
-    everything else, lifespan included, to ``app``. The same endpoints stay routed in ``app``,
+    """An ASGI app that serves a few routes itself, ahead of Starlette's middleware and router
+    (about 10 us a request, as much as a whole index lookup), and hands everything else,
+    lifespan included, to ``app``. A route is (method, path): an exact path, or a path whose
+    last segments are ``{name}`` parameters (each one non-empty segment, given to the endpoint
+    in ``scope["path_params"]`` as Starlette would). The same endpoints stay routed in ``app``,
     which still answers other methods (405) and paths under a root path."""
 
     def __init__(
         self, app: ASGIApp, routes: dict[tuple[str, str], ASGIApp], responder: ProblemResponder
     ) -> None:
         self.app = app
-        self._routes = routes
+        self._exact: dict[tuple[str, str], ASGIApp] = {}
+        #: (method, fixed prefix, parameter names, endpoint)
+        self._templates: list[tuple[str, str, tuple[str, ...], ASGIApp]] = []
+        for (method, path), endpoint in routes.items():
+            prefix, brace, rest = path.partition("{")
+            if not brace:
+                self._exact[(method, path)] = endpoint
+                continue
+            segments = (brace + rest).split("/")
+            if not prefix.endswith("/") or not all(map(_PARAMETER.fullmatch, segments)):
+                raise ValueError(f"{path}: parameters must be whole segments at the end")
+            self._templates.append((method, prefix, tuple(x[1:-1] for x in segments), endpoint))
         self._responder = responder
 
+    def _endpoint(self, scope: Scope) -> ASGIApp | None:
+        method, path = scope["method"], scope["path"]
+        endpoint = self._exact.get((method, path))
+        if endpoint is not None:
+            return endpoint
+        for route_method, prefix, names, endpoint in self._templates:
+            if method == route_method and path.startswith(prefix):
+                values = path[len(prefix) :].split("/")
+                if len(values) == len(names) and all(values):
+                    scope["path_params"] = dict(zip(names, values, strict=True))
+                    return endpoint
+        return None
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        endpoint = (
-            self._routes.get((scope["method"], scope["path"])) if scope["type"] == "http" else None
-        )
+        endpoint = self._endpoint(scope) if scope["type"] == "http" else None
         if endpoint is None:
             await self.app(scope, receive, send)
             return
@@ -147,6 +176,21 @@ class ExactRoutes:
         except Exception as exc:  # every failure is answered, as Starlette's handlers would
             response = await self._responder.respond(Request(scope), exc)
             await response(scope, receive, send)
+
+
+def routed_endpoints(app: Starlette, *keys: tuple[str, str]) -> dict[tuple[str, str], ASGIApp]:
+    """The endpoints ``app`` routes for each (method, path) in ``keys``, to serve them ahead of
+    its router with ``ExactRoutes``."""
+    found = {
+        (method, route.path): route.endpoint
+        for route in app.routes
+        if isinstance(route, Route)
+        for method in route.methods or ()
+        if (method, route.path) in keys
+    }
+    if missing := set(keys) - set(found):
+        raise ValueError(f"no route for {sorted(missing)}")
+    return found
 
 
 def lifespan_of(
