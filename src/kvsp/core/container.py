@@ -286,15 +286,14 @@ def _layers(
     return out
 
 
-def _check_layers(
-    layers: Sequence[LayerSections], got: Sequence[bytes], expected: Sequence[bytes]
-) -> None:
-    """Each layer's computed digest against the expected ones (indexed by layer number)."""
-    for layer, digest in zip(layers, got, strict=True):
-        if layer.layer >= len(expected):
-            raise DigestError(f"no expected digest for layer {layer.layer}")
-        if digest != expected[layer.layer]:
-            raise DigestError(f"layer {layer.layer}: digest does not match the replica record")
+def _check_layers(first: int, got: Sequence[bytes], expected: Sequence[bytes]) -> None:
+    """The computed digests of consecutive layers from layer number ``first`` against the
+    expected ones (indexed by layer number)."""
+    for layer, digest in enumerate(got, start=first):
+        if layer >= len(expected):
+            raise DigestError(f"no expected digest for layer {layer}")
+        if digest != expected[layer]:
+            raise DigestError(f"layer {layer}: digest does not match the replica record")
 
 
 class Container:
@@ -462,7 +461,7 @@ class Container:
         if replica is not None and replica_digest(layer_digests) != replica:
             raise DigestError("layer digests do not match the replica digest")
         got = self._hash_layers()  # from the octets, whatever was computed before
-        _check_layers(self.layers, got, layer_digests)
+        _check_layers(self.header.first_layer, got, layer_digests)
         self._digests = got
 
     def slice(self, first: int, last: int) -> Container:
@@ -563,12 +562,20 @@ class ContainerParser:
 
     def received(self, buffer: memoryview, filled: int) -> list[LayerSections]:
         """The first ``filled`` octets of the container are in ``buffer`` (the same buffer at
-        every call; it must be able to hold the whole container)."""
+        every call; it must be able to hold the whole container): the layers completed since
+        the last call, each checked."""
+        before = self._emitted
+        self.advance(buffer, filled)
+        return self._views(before)
+
+    def advance(self, buffer: memoryview, filled: int) -> int:
+        """``received`` without views of the layers (for a caller that wants the container
+        only): how many layers are complete and checked."""
         header = self.header
         if header is None:
             header = _read_header(buffer[:filled], self._max)
             if header is None:
-                return []
+                return 0
             header.check(self._geometry)
             if header.total_octets > len(buffer):
                 raise ContainerLengthError(
@@ -580,7 +587,8 @@ class ContainerParser:
                 f"{filled - header.total_octets} octets after the last section"
             )
         self._filled = filled
-        return self._emit(header)
+        self._check(header)
+        return self._emitted
 
     def _start(self, header: ContainerHeader, view: memoryview) -> None:
         self.header = header
@@ -600,10 +608,12 @@ class ContainerParser:
             raise ContainerTrailingDataError(f"{len(data) - room} octets after the last section")
         self._view[self._filled : self._filled + len(data)] = data
         self._filled += len(data)
-        return self._emit(header)
+        before = self._emitted
+        self._check(header)
+        return self._views(before)
 
-    def _emit(self, header: ContainerHeader) -> list[LayerSections]:
-        """Hash what arrived since the last call; the layers completed, in order, each checked."""
+    def _check(self, header: ContainerHeader) -> None:
+        """Hash what arrived since the last call; check the layers it completed, in order."""
         assert self._hasher is not None
         first = 1 if self._whole_digest else 0  # the hasher's range 0 is the whole container
         for index in self._hasher.advance(self._view, self._filled):
@@ -614,15 +624,18 @@ class ContainerParser:
         ready = self._emitted
         while ready in self._pending:
             ready += 1
-        if ready == self._emitted:
-            return []
-        layers = _layers(header, self._view[header.header_octets :], self._emitted, ready)
         got = [self._pending.pop(i) for i in range(self._emitted, ready)]
         if self._expected is not None:
-            _check_layers(layers, got, self._expected)
+            _check_layers(header.first_layer + self._emitted, got, self._expected)
         self.digests.extend(got)
         self._emitted = ready
-        return layers
+
+    def _views(self, start: int) -> list[LayerSections]:
+        """Views of the layers checked from position ``start`` on."""
+        if self.header is None or start == self._emitted:
+            return []
+        data = self._view[self.header.header_octets :]
+        return _layers(self.header, data, start, self._emitted)
 
     def finish(self) -> Container:
         """The whole container; raises if octets are missing."""

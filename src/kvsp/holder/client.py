@@ -71,27 +71,39 @@ class BlockReceiver:
         self._parser = ContainerParser(
             max_octets=record.size, expected_digests=expected, whole_digest=whole_digest
         )
+        self._header_checked = False
 
     def received(self, filled: int) -> list[LayerSections]:
         """The layers completed since the last call, each checked against its digest."""
         layers = self._parser.received(self.buffer, filled)
-        header = self._parser.header
-        if header is not None and layers and layers[0].layer == header.first_layer:
-            if header.codec != self.record.codec:
-                raise DigestError(
-                    f"holder sent codec {header.codec}; the replica's codec is {self.record.codec}"
-                )
-            if (header.first_layer, header.last_layer) != self.layers:
-                raise DigestError(
-                    f"holder sent layers {header.first_layer}-{header.last_layer}, "
-                    f"asked for {self.layers[0]}-{self.layers[1]}"
-                )
+        self._check_header()
         return layers
+
+    def check(self, filled: int) -> None:
+        """``received`` for a caller that wants the whole container only (no layer views)."""
+        self._parser.advance(self.buffer, filled)
+        self._check_header()
+
+    def _check_header(self) -> None:
+        """Once the container's header is in: the replica's codec and the layers asked for."""
+        header = self._parser.header
+        if header is None or self._header_checked:
+            return
+        if header.codec != self.record.codec:
+            raise DigestError(
+                f"holder sent codec {header.codec}; the replica's codec is {self.record.codec}"
+            )
+        if (header.first_layer, header.last_layer) != self.layers:
+            raise DigestError(
+                f"holder sent layers {header.first_layer}-{header.last_layer}, "
+                f"asked for {self.layers[0]}-{self.layers[1]}"
+            )
+        self._header_checked = True
 
     def finish(self, filled: int) -> Container:
         """The whole container once ``filled`` octets have arrived: the layers not checked yet,
         then ``Repr-Digest`` and, for a whole block, the replica digest."""
-        self.received(filled)
+        self.check(filled)
         container = self._parser.finish()
         verify_repr_digest(self._repr_digest, container.sha256())
         whole = self.layers == (0, self.record.layer_count - 1)
@@ -169,7 +181,7 @@ class ArrivalChecks:
                 if final:
                     settle(self._receiver.finish(filled), None)
                     return
-                self._receiver.received(filled)
+                self._receiver.check(filled)
             except Exception as exc:  # a digest mismatch, a malformed container
                 settle(None, exc)
                 return
