@@ -496,7 +496,6 @@ class ContainerParser:
     __slots__ = (
         "_buffer",
         "_emitted",
-        "_ends",
         "_expected",
         "_filled",
         "_geometry",
@@ -528,7 +527,6 @@ class ContainerParser:
         self._view = memoryview(b"")
         self._filled = 0
         self._emitted = 0
-        self._ends: list[int] = []
         self._hasher: RangeHasher | None = None
         #: the digests of layers complete but not returned yet, by position
         self._pending: dict[int, bytes] = {}
@@ -598,7 +596,6 @@ class ContainerParser:
         for k, v in header.lengths:
             spans.append((pos, pos + k + v))
             pos += k + v
-            self._ends.append(pos)
         whole = [(0, header.total_octets)] if self._whole_digest else []
         self._hasher = RangeHasher(header.total_octets, [*whole, *spans])
 

@@ -9,9 +9,8 @@ after the (already layer-verified) layers were handed over.
 
 Block octets are received in place (``kvsp.web.http1``): the response body lands in the buffer
 the container is parsed from, which a caller can also provide and reuse. ``get`` hashes them
-on worker threads while the rest is still arriving (``ArrivalChecks``), so by the time the
-last octet is in, most of the checking is done: a block's time to first use is about its
-transfer, not its transfer plus two SHA-256 passes.
+while the rest is still arriving (``ArrivalChecks``: on worker threads, or on the loop for a
+block received alone), so by the time the last octet is in, most of the checking is done.
 """
 
 from __future__ import annotations
@@ -313,7 +312,7 @@ class HolderClient(ClosingClient):
             async for filled in r.fill(sink):
                 for layer in receiver.received(filled):
                     yield layer
-            await asyncio.to_thread(receiver.finish, filled)
+            await asyncio.get_running_loop().run_in_executor(self._workers, receiver.finish, filled)
 
     async def get_container(self, base: str, path: str, max_octets: int) -> Container:
         """Any container resource (a token range of a sharded cache, say) with no Replica Record
