@@ -152,14 +152,15 @@ class ContainerHeader:
         return self.header_octets + self.data_octets
 
     def encode(self) -> bytes:
-        if self._encoded is None:
+        encoded = self._encoded
+        if encoded is None:
             fixed = _FIXED.pack(
                 MAGIC, VERSION, 0, self.codec, self.first_layer, len(self.lengths), self.token_count
             )
             flat = [n for pair in self.lengths for n in pair]
-            object.__setattr__(self, "_encoded", fixed + struct.pack(f">{len(flat)}Q", *flat))
-        assert self._encoded is not None
-        return self._encoded
+            encoded = fixed + struct.pack(f">{len(flat)}Q", *flat)
+            object.__setattr__(self, "_encoded", encoded)
+        return encoded
 
     def check(self, geometry: Geometry | None = None) -> None:
         """Consistency of counts and lengths; with a geometry, exact raw section sizes."""

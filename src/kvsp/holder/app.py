@@ -68,7 +68,7 @@ def parse_block_query(query: bytes) -> tuple[int, int] | None:
     if not query:
         return None
     try:
-        params = parse_qs(query.decode("ascii"), strict_parsing=bool(query), max_num_fields=4)
+        params = parse_qs(query.decode("ascii"), strict_parsing=True, max_num_fields=4)
     except (UnicodeDecodeError, ValueError):
         raise InvalidInput("the query string is malformed") from None
     unknown = set(params) - {"layers", "codec"}
