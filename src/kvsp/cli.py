@@ -242,11 +242,28 @@ def _principals(auth: Path | None, host: str) -> Principals:
     return Principals.development_mode()
 
 
-def _serve(asgi_app: Any, host: str, port: int, log_level: str) -> None:
-    """Run a service's ASGI app until it is stopped."""
-    from kvsp.web.serving import serve
+#: the front door's limits, one ``--http-limit NAME=VALUE`` each (every service takes them)
+HttpLimits = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--http-limit",
+        help="front door limit NAME=VALUE, repeatable: head_octets, header_fields, "
+        "target_octets, head_timeout_s, body_idle_s, idle_timeout_s, connections",
+    ),
+]
 
-    serve(asgi_app, host, port, log_level)
+
+def _serve(
+    asgi_app: Any, host: str, port: int, log_level: str, http_limits: list[str] | None
+) -> None:
+    """Run a service's ASGI app behind its front door until it is stopped."""
+    from kvsp.web.serving import parse_front_door, serve
+
+    try:
+        door = parse_front_door(http_limits or [])
+    except ValueError as exc:
+        raise InvalidInput(f"--http-limit {exc}") from None
+    serve(asgi_app, host, port, log_level, door)
 
 
 @index_app.command("serve")
@@ -260,7 +277,9 @@ def index_serve_command(
     max_ttl_ms: Annotated[int, typer.Option("--max-ttl-ms", min=1)] = 600_000,
     max_records: Annotated[int, typer.Option("--max-records", min=1)] = 5_000_000,
     max_instances: Annotated[int, typer.Option("--max-instances", min=1)] = 65_536,
+    max_layers: Annotated[int, typer.Option("--max-layers", min=1, max=65_535)] = 1024,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    http_limit: HttpLimits = None,
 ) -> None:
     """Run the Index Service on HOST:PORT under /kvsp/."""
     from kvsp.core.clock import SystemClock
@@ -274,8 +293,8 @@ def index_serve_command(
     )
     replica_store = open_store(store, limits, SystemClock())
     principals = _principals(auth, host)
-    service = IndexService(replica_store)
-    _serve(create_app(service, principals), host, port, log_level)
+    service = IndexService(replica_store, max_layers=max_layers)
+    _serve(create_app(service, principals), host, port, log_level, http_limit)
 
 
 _SIZE = re.compile(r"([0-9]+)\s*([KMGT]?)i?B?", re.IGNORECASE)
@@ -316,7 +335,11 @@ def holder_serve_command(
     lease_quota_bytes: Annotated[str, typer.Option("--lease-quota-bytes")] = "1G",
     lease_max_ttl_ms: Annotated[int, typer.Option("--lease-max-ttl-ms", min=1)] = 60_000,
     record_ttl_ms: Annotated[int, typer.Option("--record-ttl-ms", min=2)] = 600_000,
+    max_block_bytes: Annotated[str, typer.Option("--max-block-bytes")] = "256M",
+    max_layers: Annotated[int, typer.Option("--max-layers", min=1, max=65_535)] = 1024,
+    max_inflight_bytes: Annotated[str, typer.Option("--max-inflight-bytes")] = "1G",
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    http_limit: HttpLimits = None,
 ) -> None:
     """Run a holder on HOST:PORT under /kvsp/, publishing what it holds to --index."""
     from kvsp.holder.app import create_app
@@ -332,11 +355,14 @@ def holder_serve_command(
             quota_octets=parse_octets(lease_quota_bytes), max_ttl_ms=lease_max_ttl_ms
         ),
         record_ttl_ms=record_ttl_ms,
+        max_block_octets=parse_octets(max_block_bytes),
+        max_layers=max_layers,
+        max_inflight_octets=parse_octets(max_inflight_bytes),
         index_url=index,
         index_token=_read_token(index_token_file),
     )
     principals = _principals(auth, host)
-    _serve(create_app(HolderService(config), principals), host, port, log_level)
+    _serve(create_app(HolderService(config), principals), host, port, log_level, http_limit)
 
 
 @controller_app.command("serve")
@@ -358,6 +384,7 @@ def controller_serve_command(
         bool, typer.Option("--frontend", help="serve v1/completions for the installed model")
     ] = False,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    http_limit: HttpLimits = None,
 ) -> None:
     """Run the Placement Controller on HOST:PORT under /kvsp/."""
     from kvsp.controller.app import create_app
@@ -383,7 +410,7 @@ def controller_serve_command(
         from kvsp.instance.model import installed
 
         front = load_frontend(service, installed(None, block_tokens), config.instance_token)
-    _serve(create_app(service, principals, front), host, port, log_level)
+    _serve(create_app(service, principals, front), host, port, log_level, http_limit)
 
 
 @model_app.command("install")
@@ -444,6 +471,7 @@ def instance_serve_command(
         int, typer.Option("--vllm-kv-cache-gib", min=1, help="vLLM's KV cache size")
     ] = 1,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    http_limit: HttpLimits = None,
 ) -> None:
     """Run an inference instance on HOST:PORT under /kvsp/ (install the model first)."""
     if engine not in ("transformers", "vllm"):
@@ -482,7 +510,7 @@ def instance_serve_command(
         service: InstanceService = VllmInstanceService(config, options)
     else:
         service = InstanceService(config)
-    _serve(create_app(service, principals), host, port, log_level)
+    _serve(create_app(service, principals), host, port, log_level, http_limit)
 
 
 @app.command("up")

@@ -29,9 +29,10 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, Protocol, cast
+from typing import Annotated, Any, Literal, Protocol, TypeVar, cast
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -45,7 +46,7 @@ from kvsp.controller.tenants import Tenant
 from kvsp.core.problems import InvalidInput, KvspError, ServiceUnavailable, Unauthenticated
 from kvsp.core.records import Sampler
 from kvsp.core.urls import canonical_url
-from kvsp.instance.model import MODEL_NAME, ModelFiles
+from kvsp.instance.model import MODEL_NAME, ModelBounds, ModelFiles
 from kvsp.web.client import KEEPALIVE_EXPIRY_S, auth_headers
 from kvsp.web.server import header_value, read_json_body
 
@@ -60,8 +61,14 @@ __all__ = [
 
 log = logging.getLogger("kvsp.frontend")
 
+T = TypeVar("T")
+
 #: how long a broken stream waits for its session to be resumed elsewhere
 RESUME_WAIT_S = 30.0
+
+
+class SessionMoved(Exception):
+    """The instance stopped the session: the controller resumed it elsewhere."""
 
 
 class Tokenizer(Protocol):
@@ -85,7 +92,11 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    prompt: Annotated[str, Field(max_length=1 << 20)] | list[int] | None = None
+    prompt: (
+        Annotated[str, Field(max_length=1 << 20)]
+        | Annotated[list[int], Field(max_length=1 << 20)]
+        | None
+    ) = None
     messages: Annotated[list[Message], Field(min_length=1, max_length=1024)] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=4096)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=4096)] | None = None
@@ -147,11 +158,16 @@ class FrontEnd:
         compat_id: str,
         model: str,
         stop_ids: frozenset[int],
+        bounds: ModelBounds,
         instance_token: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.service = service
         self.tokenizer = tokenizer
+        self.bounds = bounds
+        #: tokenizing runs here, one request at a time, never on the event loop (a 2 MiB chat
+        #: body took 2.2 s); one thread, since a tokenizer is not shared across threads
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="kvsp-tokenize")
         self.compat_id = compat_id
         self.model = model
         self.stop_ids = stop_ids
@@ -164,6 +180,7 @@ class FrontEnd:
 
     async def aclose(self) -> None:
         await self.http.aclose()
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     # -- who and what --------------------------------------------------------------------------
 
@@ -196,6 +213,17 @@ class FrontEnd:
                 raise InvalidInput("session: must be a UUID") from None
         return request
 
+    async def prompt(self, request: CompletionRequest, max_tokens: int) -> list[int]:
+        """The prompt's tokens (tokenized off the event loop), checked against the model's
+        context and vocabulary before anything is placed."""
+        if isinstance(request.prompt, list):
+            tokens = self.tokens(request)
+        else:
+            loop = asyncio.get_running_loop()
+            tokens = await loop.run_in_executor(self._tokenizing, self.tokens, request)
+        self.bounds.check(tokens, max_tokens)
+        return tokens
+
     def tokens(self, request: CompletionRequest) -> list[int]:
         if request.messages is not None:
             conversation = [m.model_dump() for m in request.messages]
@@ -216,16 +244,16 @@ class FrontEnd:
 
     async def run(
         self, tenant: Tenant, request: CompletionRequest
-    ) -> tuple[Turn, AsyncIterator[int]]:
+    ) -> tuple[Turn, AsyncGenerator[int, None]]:
         """Place the request; the turn's record and its tokens, in index order, once each."""
         started = time.perf_counter()
-        tokens = self.tokens(request)
+        max_tokens = request.max_completion_tokens or request.max_tokens or 16
+        tokens = await self.prompt(request, max_tokens)
         principal = Principal(
             f"tenant:{tenant.name}", frozenset({Role.CLIENT}), frozenset({tenant.scope_id}),
             frozenset(),
         )  # fmt: skip
         session = request.session or str(uuid.uuid4())
-        max_tokens = request.max_completion_tokens or request.max_tokens or 16
         sampler = request.sampler()
         placement = await self.service.place(
             principal, tenant.name, self.compat_id, tokens, session, sampler,
@@ -251,9 +279,10 @@ class FrontEnd:
         started: float,
         principal: Principal,
         request: CompletionRequest,
-    ) -> AsyncIterator[int]:
+    ) -> AsyncGenerator[int, None]:
         epoch = int(body["epoch"])
         first = True
+        abandoned = False
         try:
             while True:
                 if first:
@@ -272,6 +301,8 @@ class FrontEnd:
                         async for line in response.aiter_lines():
                             doc = json.loads(line)
                             if "done" in doc:
+                                if doc.get("moved"):
+                                    raise SessionMoved(f"{turn.instance} stopped it")
                                 if doc.get("error"):
                                     raise ServiceUnavailable(f"generation failed: {doc['error']}")
                                 if first:
@@ -292,13 +323,21 @@ class FrontEnd:
                             if doc["token"] in self.stop_ids:
                                 turn.finish_reason = "stop"
                             yield doc["token"]
-                except (httpx.TransportError, json.JSONDecodeError) as exc:
+                except (httpx.TransportError, json.JSONDecodeError, SessionMoved) as exc:
                     log.warning("stream of %s from %s broke: %s", turn.session, turn.instance, exc)
                     epoch, turn.instance = await self._moved(turn.session, epoch)
                     turn.resumed += 1
                     first = False
+        except (GeneratorExit, asyncio.CancelledError):
+            abandoned = True  # the client went away: the instance stops generating
+            raise
         finally:
-            await self._turn_done(principal, turn, request)
+            if not abandoned:
+                await self._turn_done(principal, turn, request)
+            elif request.session is None:
+                self.service.forget_session(turn.session)
+            else:
+                self.service.abandon_turn(turn.session)
 
     async def _moved(self, session: str, epoch: int) -> tuple[int, str]:
         """Wait until the controller resumed ``session`` with a higher epoch; where."""
@@ -376,6 +415,13 @@ class FrontEnd:
             return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
         async def out() -> AsyncIterator[bytes]:
+            try:
+                async for piece in pieces():
+                    yield piece
+            finally:  # also when the client went away: the instance then stops
+                await tokens.aclose()
+
+        async def pieces() -> AsyncIterator[bytes]:
             ids: list[int] = []
             sent = ""
             try:
@@ -423,8 +469,27 @@ def load_frontend(
         files.compat_id.hex(),
         MODEL_NAME.lower(),
         stop,
+        files.bounds,
         instance_token,
     )
+
+
+async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """``work``'s result, or ``work`` cancelled when the client goes away first (its body
+    is read: the next ASGI message can only be the disconnect)."""
+    task = asyncio.create_task(work)
+    gone: asyncio.Future[Any] = asyncio.ensure_future(request.receive())
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise InvalidInput("the client went away before its answer")
+    return task.result()
 
 
 def frontend_routes(frontend: FrontEnd, base: str, body_octets: int) -> list[Route]:
@@ -439,7 +504,7 @@ def frontend_routes(frontend: FrontEnd, base: str, body_octets: int) -> list[Rou
             if parsed.stream:
                 events = await frontend.events(tenant, parsed, chat)
                 return StreamingResponse(events, media_type="text/event-stream")
-            answer = await frontend.answer(tenant, parsed, chat)
+            answer = await _unless_gone(request, frontend.answer(tenant, parsed, chat))
             return Response(json.dumps(answer).encode(), media_type="application/json")
 
         return complete

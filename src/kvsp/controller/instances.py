@@ -13,6 +13,14 @@ state changes only through ``TRANSITIONS`` (one table; any other move is ``Illeg
 A record with an epoch below the highest seen is ``StaleEpoch`` and changes nothing; a record
 whose reported state the PC did not grant (an instance that wakes itself, or drains itself
 without asking) is ``IllegalTransition`` and changes nothing.
+
+Liveness heals (decision 0014): a status of the epoch the PC marked failed is
+``InstanceFailed``, which tells the live process to take a new epoch (its clock in ms, above the
+old one), drop the sessions the PC failed over and report again; it rejoins within one status
+interval. A new epoch always hands the old epoch's instance to ``expire`` (whether it had
+expired or not), so its sessions go to failover at once. An epoch more than
+``max_epoch_ahead_ms`` ahead of the PC's clock is refused: a counter epoch is small, a start
+time is now, and an epoch of 10^30 would lock the real process out.
 """
 
 from __future__ import annotations
@@ -22,7 +30,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvsp.core.clock import Clock
-from kvsp.core.problems import ConfigurationError, IllegalTransition, NotFound, StaleEpoch
+from kvsp.core.problems import (
+    ConfigurationError,
+    IllegalTransition,
+    InstanceFailed,
+    NotFound,
+    RecordError,
+    StaleEpoch,
+)
 from kvsp.core.records import InstanceState, InstanceStatusRecord
 from kvsp.core.urls import canonical_url
 
@@ -53,10 +68,14 @@ TRANSITIONS: dict[tuple[InstanceState, InstanceState], str] = {
 class InstancePolicy:
     #: active instances that must remain when granting a sleep request
     min_active: int = 1
+    #: how far ahead of the PC's clock (ms since the Unix epoch) an epoch may be
+    max_epoch_ahead_ms: int = 86_400_000
 
     def __post_init__(self) -> None:
         if self.min_active < 0:
             raise ConfigurationError("min_active must be >= 0")
+        if self.max_epoch_ahead_ms < 0:
+            raise ConfigurationError("max_epoch_ahead_ms must be >= 0")
 
 
 @dataclass(slots=True)
@@ -111,23 +130,28 @@ class InstanceTable:
         known = self._instances.get(url)
         if known is not None and status.epoch < known.epoch:
             raise StaleEpoch(f"epoch {status.epoch} of {url} is below {known.epoch}, already seen")
+        if status.epoch > now + self.policy.max_epoch_ahead_ms:
+            raise RecordError(
+                f"epoch {status.epoch} of {url} is more than {self.policy.max_epoch_ahead_ms} ms "
+                "ahead of the controller's clock"
+            )
         reported = status.state
         if known is None or status.epoch > known.epoch:
             # a (re)started instance: it begins active or asleep, never mid-drain or failed
             if reported not in (A, S):
                 raise IllegalTransition(f"{url}: a new epoch must start active or sleeping")
-            if known is not None and known.state is not F:
-                known.state = F  # the old epoch is gone
-            start = reported
             if known is not None:
-                self._move(known, start)
-            state = start
+                self._move(known, F)  # the old epoch is gone: its sessions fail over now
+                if all(f is not known for f in self._failed):
+                    self._failed.append(known)
+                self._move(known, reported)
+            state = reported
         else:
             state = self._next_state(known, status)
         entry = TrackedInstance(url, status, state, status.epoch, now + status.ttl_ms)
         if known is not None:
             known.status, known.epoch, known.expires_at = status, status.epoch, entry.expires_at
-            known.state = state
+            self._move(known, state)
         else:
             self._instances[url] = entry
         heapq.heappush(self._deadlines, (entry.expires_at, url))
@@ -137,7 +161,10 @@ class InstanceTable:
         """The PC's state after a status of the same epoch (checked before anything changes)."""
         current, reported = known.state, status.state
         if current is F:
-            raise IllegalTransition(f"{known.url}: failed; only a higher epoch comes back")
+            raise InstanceFailed(
+                f"{known.url}: epoch {known.epoch} was marked failed (its status expired) and its "
+                "sessions failed over; report again with a higher epoch"
+            )
         if current is A:
             if reported is not A:
                 raise IllegalTransition(f"{known.url}: reports {reported} without the PC's consent")
@@ -159,12 +186,20 @@ class InstanceTable:
         others = sum(1 for i in self._instances.values() if i.state is A and i is not candidate)
         return others >= self.policy.min_active
 
-    def set_state(self, url: str, to: InstanceState) -> TrackedInstance:
-        """A change the PC makes (wake, or drain); the adapter tells the instance."""
+    def check_set_state(self, url: str, to: InstanceState) -> TrackedInstance:
+        """Whether the PC may make ``url`` ``to`` now (raises if not); changes nothing, so the
+        adapter can tell the instance first and ``set_state`` after."""
         self._notice_expired()
         instance = self.get(url)
         if to not in (A, D):
             raise IllegalTransition("the PC can only wake (active) or drain an instance")
+        if instance.state is not to and (instance.state, to) not in TRANSITIONS:
+            raise IllegalTransition(f"{instance.url}: {instance.state} -> {to} is not allowed")
+        return instance
+
+    def set_state(self, url: str, to: InstanceState) -> TrackedInstance:
+        """A change the PC makes (wake, or drain), once the instance has been told."""
+        instance = self.check_set_state(url, to)
         self._move(instance, to)
         return instance
 

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvsp.auth import Principal, Role, authorize
 from kvsp.controller.client import InstanceClient
+from kvsp.controller.forwarding import StatusForwarder
 from kvsp.controller.hints import (
     HintPolicy,
     PinOrDemote,
@@ -143,6 +144,7 @@ class ControllerService:
             index = IndexClient(config.index_url, config.index_token)
         self.index = index
         self.peers = instances or InstanceClient(config.instance_token)
+        self.forwarder = None if index is None else StatusForwarder(index.put_status)
         self.launcher = launcher
         #: the last placement costs per instance, for ``GET instances``
         self.last_costs: dict[str, dict[str, Any]] = {}
@@ -197,6 +199,9 @@ class ControllerService:
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._ticker(), name="kvsp-controller-tick")]
+        if self.forwarder is not None:
+            forwarding = asyncio.create_task(self.forwarder.run(), name="kvsp-status-forwarder")
+            self._tasks.append(forwarding)
 
     async def close(self) -> None:
         await cancel_all(self._tasks)
@@ -216,35 +221,52 @@ class ControllerService:
         """Fail over the sessions of instances whose status expired; abort late reshards."""
         for result in self.reshards.expire():
             await self._finish_reshard(result)
+        await self._fail_over_all(self._take_failures())
+
+    def _take_failures(self) -> list[tuple[str, list[tuple[str, int]]]]:
+        """Instances failed (expired, or restarted with a higher epoch) since the last call,
+        each with the sessions it served then and their epochs: taken in one step, so a
+        session placed on the restarted instance afterwards is never moved away."""
+        taken = []
         for instance in self.instances.expire():
-            log.warning("instance %s failed (status expired)", instance.url)
-            for result in self.reshards.member_failed(instance.url):
+            log.warning("instance %s failed (status expired, or restarted)", instance.url)
+            open_turns = [
+                (s.session, s.epoch)
+                for s in self.sessions.served_by(instance.url)
+                if not s.turn_done  # a delivered turn has nothing left to resume
+            ]
+            taken.append((instance.url, open_turns))
+        return taken
+
+    async def _fail_over_all(self, failures: list[tuple[str, list[tuple[str, int]]]]) -> None:
+        for url, sessions in failures:
+            for result in self.reshards.member_failed(url):
                 await self._finish_reshard(result)
-            for session in self.sessions.served_by(instance.url):
-                if not session.turn_done:  # a delivered turn has nothing left to resume
-                    await self._fail_over(session.session)
+            for session, epoch in sessions:
+                await self._fail_over(session, url, epoch)
 
     # -- statuses and lifecycle ----------------------------------------------------------------
 
     async def put_status(self, principal: Principal, status: InstanceStatusRecord) -> InstanceState:
+        """Take an instance's status and answer at once: the IS hears of it in the background
+        (``StatusForwarder``), and the sessions of an epoch it replaces fail over in the
+        background too."""
         authorize(principal, Role.INSTANCE, holder=status.instance)
         state = self.instances.put_status(status)
-        if self.index is not None:
-            try:
-                await self.index.put_status(status)  # estimates at the IS use it too
-            except KvspError as exc:
-                log.warning("status of %s not forwarded to the index: %s", status.instance, exc)
+        failures = self._take_failures()
+        if failures:
+            self._background(self._fail_over_all(failures), "failover after a restart")
+        if self.forwarder is not None:
+            self.forwarder.offer(status)  # estimates at the IS use it too
         return state
 
     async def set_state(self, principal: Principal, url: str, state: InstanceState) -> None:
+        """Wake or drain ``url``: the table checks the move, the instance is told, and only
+        then does the table make it (refused if the instance failed meanwhile)."""
         authorize(principal, (Role.CONTROLLER,))
-        before = self.instances.get(url).state
-        instance = self.instances.set_state(url, state)
-        try:
-            await self.peers.set_state(instance.url, state)
-        except KvspError:
-            instance.state = before  # the instance was not told: nothing changed
-            raise
+        self.instances.check_set_state(url, state)
+        await self.peers.set_state(self.instances.get(url).url, state)
+        self.instances.set_state(url, state)
 
     def instance_view(self) -> list[dict[str, Any]]:
         now = self.clock.now_ms()
@@ -422,6 +444,19 @@ class ControllerService:
             f"session {session} not ended at {entry.instance}",
         )
 
+    def abandon_turn(self, session: str) -> None:
+        """The client went away mid-turn: the instance stops generating and lets go of the
+        session's KV; the conversation stays known for its next turn."""
+        try:
+            entry = self.sessions.get(session)
+        except NotFound:
+            return
+        entry.turn_done = True
+        self._background(
+            self.peers.end_session(entry.instance, session),
+            f"session {session} not stopped at {entry.instance}",
+        )
+
     async def _send_hints(
         self, session: str, planned: Sequence[PlannedHint], entry: SessionHints | None = None
     ) -> list[dict[str, Any]]:
@@ -477,10 +512,19 @@ class ControllerService:
         """Wake the instance a decision names, or launch one."""
         if decision.outcome is Outcome.WAKE and decision.instance is not None:
             try:
-                self.instances.set_state(decision.instance, InstanceState.ACTIVE)
+                self.instances.check_set_state(decision.instance, InstanceState.ACTIVE)
                 await self.peers.set_state(decision.instance, InstanceState.ACTIVE)
+                self.instances.set_state(decision.instance, InstanceState.ACTIVE)
             except KvspError as exc:
                 log.warning("could not wake %s: %s", decision.instance, exc.detail)
+                return Decision(
+                    Outcome.NONE,
+                    None,
+                    decision.candidates,
+                    decision.matched_blocks,
+                    0,
+                    f"wake of {decision.instance} failed: {exc.detail}",
+                )
         elif decision.outcome is Outcome.LAUNCH and self.launcher is not None:
             url = await self.launcher.launch()
             if url is not None:
@@ -533,9 +577,15 @@ class ControllerService:
         reporter = serving if principal.may_act_for(serving) else principal.name
         return self.sessions.put_checkpoint(checkpoint, reporter)
 
-    async def _fail_over(self, session: str) -> None:
-        """Resume ``session`` elsewhere: place it again, then the new epoch and the resume."""
-        entry = self.sessions.get(session)
+    async def _fail_over(self, session: str, failed: str, epoch: int) -> None:
+        """Resume ``session`` elsewhere: place it again, then the new epoch and the resume;
+        nothing when it is no longer at epoch ``epoch`` on the ``failed`` instance."""
+        try:
+            entry = self.sessions.get(session)
+        except NotFound:
+            return  # over, or forgotten
+        if (entry.instance, entry.epoch) != (failed, epoch):
+            return  # moved or resumed already
         request = PlacementRequest(
             entry.scope_id,
             entry.compat_id,

@@ -50,6 +50,7 @@ __all__ = [
     "LayerSections",
     "Section",
     "layer_digest",
+    "peek_header",
     "replica_digest",
     "section_array",
     "section_octets",
@@ -219,6 +220,12 @@ class ContainerHeader:
         for k, v in self.lengths[: layer - self.first_layer]:
             pos += k + v
         return pos
+
+
+def peek_header(prefix: bytes | memoryview, max_octets: int) -> ContainerHeader | None:
+    """The header of a container whose first octets are ``prefix``; None while more octets
+    are needed. Lets a receiver refuse a container before reading the rest of it."""
+    return _read_header(memoryview(prefix), max_octets)
 
 
 def _read_header(data: memoryview, max_octets: int) -> ContainerHeader | None:

@@ -26,11 +26,15 @@ status it maps to, so a server never has to invent a status or string-match a me
      +-- NotFound                           404 kvsp-not-found
      |    +-- LayersUnavailable             404 kvsp-layers-unavailable
      +-- MethodNotAllowed                   405 kvsp-method-not-allowed
+     +-- RequestTimeout                     408 kvsp-request-timeout  (head or body too slow)
      +-- StaleEpoch                         409 kvsp-stale-epoch
      +-- IllegalTransition                  409 kvsp-illegal-transition
+     |    +-- InstanceFailed                409 kvsp-instance-failed  (rejoin with a new epoch)
      +-- AlreadyStored                      412 kvsp-already-stored
      +-- PayloadTooLarge                    413 kvsp-payload-too-large
+     +-- UriTooLong                         414 kvsp-uri-too-long
      +-- UnsupportedMediaType               415 kvsp-unsupported-media-type
+     +-- HeaderFieldsTooLarge               431 kvsp-header-fields-too-large
      +-- LeaseQuotaExceeded                 429 kvsp-lease-quota
      +-- ServiceUnavailable                 503 kvsp-unavailable  (a backing store is down)
      +-- CapacityExhausted                  507 kvsp-capacity
@@ -53,7 +57,9 @@ __all__ = [
     "DescriptorError",
     "DigestError",
     "Forbidden",
+    "HeaderFieldsTooLarge",
     "IllegalTransition",
+    "InstanceFailed",
     "InvalidInput",
     "KeyMaterialError",
     "KvspError",
@@ -65,10 +71,12 @@ __all__ = [
     "PayloadTooLarge",
     "PreconditionRequired",
     "RecordError",
+    "RequestTimeout",
     "ServiceUnavailable",
     "StaleEpoch",
     "Unauthenticated",
     "UnsupportedMediaType",
+    "UriTooLong",
     "problem_types",
 ]
 
@@ -204,6 +212,20 @@ class IllegalTransition(KvspError):
     title = "State change not allowed"
 
 
+class InstanceFailed(IllegalTransition):
+    """The PC marked the instance failed (its status expired) and failed its sessions over:
+    the live process must take a new epoch, drop those sessions and report again."""
+
+    slug = "kvsp-instance-failed"
+    title = "Instance marked failed; report again with a new epoch"
+
+
+class RequestTimeout(KvspError):
+    status = 408
+    slug = "kvsp-request-timeout"
+    title = "Request not received in time"
+
+
 class AlreadyStored(KvspError):
     status = 412
     slug = "kvsp-already-stored"
@@ -220,6 +242,18 @@ class PayloadTooLarge(KvspError):
     status = 413
     slug = "kvsp-payload-too-large"
     title = "Request body too large"
+
+
+class UriTooLong(KvspError):
+    status = 414
+    slug = "kvsp-uri-too-long"
+    title = "Request target too long"
+
+
+class HeaderFieldsTooLarge(KvspError):
+    status = 431
+    slug = "kvsp-header-fields-too-large"
+    title = "Request header fields too large"
 
 
 class UnsupportedMediaType(KvspError):

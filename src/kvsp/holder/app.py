@@ -32,6 +32,7 @@ from kvsp.holder.service import HolderService
 from kvsp.web.server import (
     AsgiEndpoint,
     ExactRoutes,
+    InflightOctets,
     header_value,
     install_problem_handlers,
     json_response,
@@ -88,6 +89,7 @@ def parse_block_query(query: bytes) -> tuple[int, int] | None:
 
 def block_routes(service: HolderService, principals: Principals) -> list[Route]:
     """The block and lease routes of a holder (an inference instance mounts them too)."""
+    inflight = InflightOctets(service.config.max_inflight_octets)
 
     async def get_block(scope: Scope, receive: Receive, send: Send) -> None:
         block = _block_of(scope["path_params"])
@@ -118,13 +120,14 @@ def block_routes(service: HolderService, principals: Principals) -> list[Route]:
         principal = principal_of(request, principals)
         if request.headers.get("if-none-match", "").strip() != "*":
             raise PreconditionRequired("storing a block needs If-None-Match: *")
-        body = await read_body(
-            request.scope,
-            request.receive,
-            service.config.max_block_octets,
-            (BLOCK_MEDIA_TYPE,),
-        )
-        record = await service.put_block(principal, block, body)
+        service.check_put(principal, block)  # scope and duplicates before any body octet
+        declared = request.headers.get("content-length", "")
+        limit = service.config.max_block_octets
+        with inflight.reserve(min(int(declared), limit) if declared.isdigit() else limit):
+            body = await read_body(
+                request.scope, request.receive, limit, (BLOCK_MEDIA_TYPE,), service.check_header
+            )
+            record = await service.put_block(principal, block, body)
         return json_response(record.model_dump_json(exclude_none=True).encode(), 201)
 
     async def grant_lease(request: Request) -> Response:

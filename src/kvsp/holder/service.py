@@ -28,8 +28,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvsp.auth import Principal, Role, authorize
 from kvsp.core.clock import Clock, SystemClock
-from kvsp.core.container import Container
-from kvsp.core.problems import AlreadyStored, CapacityExhausted, ConfigurationError, KvspError
+from kvsp.core.container import Container, peek_header
+from kvsp.core.problems import (
+    AlreadyStored,
+    CapacityExhausted,
+    ConfigurationError,
+    ContainerLengthError,
+    Forbidden,
+    InvalidInput,
+    KvspError,
+    PayloadTooLarge,
+)
 from kvsp.core.records import LeaseGrant, LeaseRequest, ReplicaRecord, ReplicaRef
 from kvsp.core.registries import Tier
 from kvsp.core.urls import canonical_url
@@ -57,8 +66,10 @@ T = TypeVar("T")
 
 #: Roles that may read, store and lease blocks (always within their scopes).
 BLOCK_ROLES = (Role.CLIENT, Role.INSTANCE, Role.HOLDER, Role.CONTROLLER)
-#: Effects sent to the Index Service in one batch, at most.
+#: Effects sent to the Index Service in one batch, at most, and the octets of their records
+#: (well below the IS's 16 MiB body limit: a record with many layers is large).
 BATCH = 1024
+BATCH_OCTETS = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,10 @@ class HolderConfig:
     disk_read_mbit_per_s: float = 16_000.0
     host_read_mbit_per_s: float | None = None
     max_block_octets: int = 256 << 20
+    #: layers a stored container may have (the IS refuses records with more)
+    max_layers: int = 1024
+    #: octets of block PUT bodies being received at once; beyond it a PUT is 503 + Retry-After
+    max_inflight_octets: int = 1 << 30
     index_url: str | None = None
     index_token: str | None = None
 
@@ -86,6 +101,13 @@ class HolderConfig:
         elif self.disk_bytes:
             raise ConfigurationError("--disk-bytes needs --disk-dir")
         return specs, data
+
+
+def _effect_octets(effect: Effect) -> int:
+    """About how many octets an effect takes in a batch body."""
+    if isinstance(effect, Publish):
+        return 700 + 67 * len(effect.record.layer_digests or ())
+    return 300
 
 
 class HolderService:
@@ -126,6 +148,12 @@ class HolderService:
         self.rejected = Counter(
             "kvsp_holder_rejected_requests",
             "Requests answered with a problem",
+            ["type"],
+            registry=self.registry,
+        )
+        self.index_refused = Counter(
+            "kvsp_holder_index_refused",
+            "Publishes and withdrawals the Index Service refused (dropped), by problem type",
             ["type"],
             registry=self.registry,
         )
@@ -217,8 +245,12 @@ class HolderService:
         )
 
     async def close(self) -> None:
+        """Stop: withdraw what this holder will no longer serve (blocks with no copy on
+        disk), then deliver what is pending, for at most 2 s."""
         await cancel_all(self._tasks)
         if self.index is not None:
+            lost = await self.call(self.store.volatile)
+            self._queue([Withdraw(self._ref(block)) for block in lost])
             try:
                 await asyncio.wait_for(self._flush(), timeout=2.0)
             except (TimeoutError, KvspError):
@@ -242,17 +274,44 @@ class HolderService:
             self._wake.set()
 
     async def _flush(self) -> None:
-        """Send everything pending; on failure what was not sent stays pending."""
+        """Send everything pending; on failure what was not sent stays pending. Batches are
+        bounded in entries and octets; an entry the IS refuses is dropped (logged, counted),
+        never holding the others back."""
         assert self.index is not None
         while self._pending:
-            blocks = list(itertools.islice(self._pending, BATCH))
-            effects = [self._pending[b] for b in blocks]
-            put = [e.record for e in effects if isinstance(e, Publish)]
-            delete = [e.ref for e in effects if not isinstance(e, Publish)]
-            await self.index.batch(put, delete)
-            for block, effect in zip(blocks, effects, strict=True):
-                if self._pending.get(block) is effect:
-                    del self._pending[block]
+            blocks: list[BlockId] = []
+            octets = 0
+            for block in itertools.islice(self._pending, BATCH):
+                octets += _effect_octets(self._pending[block])
+                if blocks and octets > BATCH_OCTETS:
+                    break
+                blocks.append(block)
+            await self._send_batch(blocks, [self._pending[b] for b in blocks])
+
+    async def _send_batch(self, blocks: list[BlockId], effects: list[Effect]) -> None:
+        """One batch; a batch the IS refuses as a whole (4xx) is halved until the entry it
+        refuses is alone, and that entry is dropped. Unreachable: raised, all kept pending."""
+        assert self.index is not None
+        put = [e.record for e in effects if isinstance(e, Publish)]
+        delete = [e.ref for e in effects if not isinstance(e, Publish)]
+        try:
+            outcomes, _ = await self.index.batch(put, delete)
+        except (InvalidInput, Forbidden, PayloadTooLarge, CapacityExhausted) as exc:
+            if len(blocks) > 1:
+                half = len(blocks) // 2
+                await self._send_batch(blocks[:half], effects[:half])
+                await self._send_batch(blocks[half:], effects[half:])
+                return
+            log.warning("index refused the update of %s: %s", block_ref(blocks[0]), exc.detail)
+            self.index_refused.labels(exc.slug).inc()
+        else:
+            if outcomes:
+                granted = min(o.ttl_ms for o in outcomes)
+                if granted // 2 < self.store.refresh_after_ms:
+                    await self.call(lambda: self.store.granted(granted))
+        for block, effect in zip(blocks, effects, strict=True):
+            if self._pending.get(block) is effect:
+                del self._pending[block]
 
     async def _publisher(self) -> None:
         delay = 0.1
@@ -279,9 +338,29 @@ class HolderService:
 
     # -- blocks --------------------------------------------------------------------------------
 
+    def check_put(self, principal: Principal, block: BlockId) -> None:
+        """What a block PUT is refused for before its body is read: the caller's scope, and
+        a block held already."""
+        authorize(principal, BLOCK_ROLES, scope=block[1])
+        if block in self.store:
+            raise AlreadyStored(f"{block_ref(block)} is already held here")
+
+    def check_header(self, prefix: bytes) -> bool:
+        """Refuse a container from its first octets (bad header, too many layers, above the
+        size limit); True once the header was read whole and passed."""
+        header = peek_header(prefix, self.config.max_block_octets)
+        if header is None:
+            return False
+        if header.layer_count > self.config.max_layers:
+            raise ContainerLengthError(
+                f"{header.layer_count} layers; this holder stores at most {self.config.max_layers}"
+            )
+        return True
+
     async def put_block(self, principal: Principal, block: BlockId, body: bytes) -> ReplicaRecord:
         """Store a container received for ``block``: validated, digests computed here."""
         authorize(principal, BLOCK_ROLES, scope=block[1])
+        self.check_header(body)
         return await self.store_block(block, body)
 
     async def store_block(

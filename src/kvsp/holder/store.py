@@ -196,6 +196,8 @@ class BlockStore:
         self.clock = clock
         self.holder_url = holder_url
         self.record_ttl_ms = record_ttl_ms
+        #: records are published again this long after they were (half the TTL granted)
+        self.refresh_after_ms = record_ttl_ms // 2
         self._blocks: dict[BlockId, _Block] = {}
         self._used: dict[Tier, int] = dict.fromkeys(names, 0)
         self._ticks = itertools.count(1)
@@ -647,7 +649,7 @@ class BlockStore:
     def _published(self, block: BlockId, entry: _Block) -> ReplicaRecord:
         record = self._record(block, entry)
         entry.published_at = self.clock.now_ms()
-        heapq.heappush(self._refresh, (entry.published_at + self.record_ttl_ms // 2, block))
+        heapq.heappush(self._refresh, (entry.published_at + self.refresh_after_ms, block))
         self._effects.append(Publish(record))
         return record
 
@@ -659,7 +661,26 @@ class BlockStore:
         while due and due[0][0] <= now:
             at, block = heapq.heappop(due)
             entry = self._blocks.get(block)
-            if entry is not None and entry.published_at + self.record_ttl_ms // 2 == at:
+            if entry is not None and entry.published_at + self.refresh_after_ms == at:
                 self._published(block, entry)
                 count += 1
         return count
+
+    def granted(self, ttl_ms: int) -> None:
+        """The Index Service granted records ``ttl_ms`` (it may cap what they ask for): from
+        now on they are published again at half of it, so none expires while held."""
+        after = max(1, ttl_ms // 2)
+        if after >= self.refresh_after_ms:
+            return
+        before, self.refresh_after_ms = self.refresh_after_ms, after
+        due = [
+            (entry.published_at + after, block)
+            for at, block in self._refresh
+            if (entry := self._blocks.get(block)) is not None and entry.published_at + before == at
+        ]
+        heapq.heapify(due)
+        self._refresh = due
+
+    def volatile(self) -> list[BlockId]:
+        """Blocks with no copy on disk: a holder that stops no longer has them."""
+        return [b for b, entry in self._blocks.items() if "disk" not in entry.spans]

@@ -86,6 +86,8 @@ def _packed(block_keys: msgspec.Raw) -> bytes:
         return b"".join(map(bytes.fromhex, keys))
     if len(packed) > 32 * MAX_KEYS_PER_REQUEST:
         raise ValueError(f"a lookup names at most {MAX_KEYS_PER_REQUEST} block keys")
+    if len({packed[i : i + 32] for i in range(0, len(packed), 32)}) * 32 != len(packed):
+        raise ValueError("a key appears twice: a chain of Block Keys never repeats one")
     return packed
 
 

@@ -22,6 +22,7 @@ from prometheus_client.core import (
 )
 
 from kvsp.auth import Principal
+from kvsp.core.problems import RecordError
 from kvsp.core.records import (
     InstanceStatusRecord,
     ReplicaBatch,
@@ -111,10 +112,20 @@ class IndexMetrics:
         r.register(self.lookups)
 
 
+#: layers a published record may name (a record with 65,535 layer digests is 4.4 MB)
+DEFAULT_MAX_LAYERS = 1024
+
+
 class IndexService:
-    def __init__(self, store: ReplicaStore, metrics: IndexMetrics | None = None) -> None:
+    def __init__(
+        self,
+        store: ReplicaStore,
+        metrics: IndexMetrics | None = None,
+        max_layers: int = DEFAULT_MAX_LAYERS,
+    ) -> None:
         self.store = store
         self.metrics = metrics or IndexMetrics()
+        self.max_layers = max_layers
 
     async def publish(
         self, principal: Principal, records: Sequence[ReplicaRecord]
@@ -129,6 +140,12 @@ class IndexService:
         return await self._withdraw(refs)
 
     async def _publish(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]:
+        for record in records:  # records bounded in octets: refused before anything changes
+            if record.layer_count > self.max_layers:
+                raise RecordError(
+                    f"record of {record.block_key} names {record.layer_count} layers; this "
+                    f"Index Service takes at most {self.max_layers}"
+                )
         outcomes = await self.store.publish(records)
         for outcome in outcomes:
             self.metrics.publishes.labels("created" if outcome.created else "refreshed").inc()

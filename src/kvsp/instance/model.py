@@ -15,6 +15,7 @@ version happens to lay out its output.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,11 +34,12 @@ from kvsp.core.compat import (
     tokenizer_digest,
 )
 from kvsp.core.ids import CompatId
-from kvsp.core.problems import ConfigurationError
+from kvsp.core.problems import ConfigurationError, InvalidInput
 
 __all__ = [
     "MODEL_NAME",
     "WHEEL",
+    "ModelBounds",
     "ModelFiles",
     "default_home",
     "from_folder",
@@ -71,6 +74,31 @@ class ModelFiles:
     @property
     def compat_id(self) -> CompatId:
         return self.descriptor.compat_id()
+
+    @functools.cached_property
+    def bounds(self) -> ModelBounds:
+        """The model's context length and vocabulary, from its config."""
+        doc = json.loads((self.weights / "config.json").read_text(encoding="utf-8"))
+        return ModelBounds(int(doc["max_position_embeddings"]), int(doc["vocab_size"]))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelBounds:
+    """What a request for the model may hold: a prompt and its output fit in
+    ``context_tokens``, and every token id is below ``vocab_size``."""
+
+    context_tokens: int
+    vocab_size: int
+
+    def check(self, tokens: Sequence[int], max_tokens: int) -> None:
+        """``InvalidInput`` (400) unless ``tokens`` and ``max_tokens`` more fit the model."""
+        if len(tokens) + max_tokens > self.context_tokens:
+            raise InvalidInput(
+                f"the model's context is {self.context_tokens} tokens; the prompt has "
+                f"{len(tokens)} and {max_tokens} more were asked for"
+            )
+        if tokens and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
+            raise InvalidInput(f"token ids must be in [0, {self.vocab_size})")
 
 
 def installed(home: Path | None = None, block_tokens: int = 16) -> ModelFiles:

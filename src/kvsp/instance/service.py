@@ -51,6 +51,7 @@ from kvsp.core.problems import (
     ConfigurationError,
     ContainerError,
     IllegalTransition,
+    InstanceFailed,
     InvalidInput,
     KvspError,
     MethodNotAllowed,
@@ -129,6 +130,12 @@ class InstanceConfig:
     events: int = 4096
 
 
+#: prompt tokens computed per engine call: between calls a cancelled session stops
+PREFILL_CHUNK = 512
+#: why a session of an epoch the controller marked failed stopped (it was resumed elsewhere)
+MOVED = "moved: the controller resumed this session elsewhere"
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     index: int
@@ -175,7 +182,14 @@ class Session:
     hint_outcomes: list[HintOutcome] = field(default_factory=list)
     done: bool = False
     error: str | None = None
+    #: why generation was stopped early (read by the engine thread between steps)
+    cancelled: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def cancel(self, reason: str) -> None:
+        """Stop generating at the next step (the engine thread checks between steps)."""
+        if self.cancelled is None:
+            self.cancelled = reason
 
     def key_of(self, index: int) -> str | None:
         if index < len(self.prompt_blocks):
@@ -351,9 +365,24 @@ class InstanceService:
                     answer = await self.controller.put_status(self.status())
                     if answer is InstanceState.DRAINING and self.state is InstanceState.ACTIVE:
                         self.state = InstanceState.DRAINING
+                except InstanceFailed as exc:
+                    log.warning("%s", exc.detail)
+                    self._rejoin()
+                    continue  # report the new epoch at once
                 except KvspError as exc:
                     log.warning("status not delivered: %s", exc.detail)
             await asyncio.sleep(period)
+
+    def _rejoin(self) -> None:
+        """The controller marked this epoch failed and failed its sessions over: take a new
+        epoch (the clock in ms, above the old one: KVSP 6.3's rule holds) and stop every
+        session of the old one. Their streams end saying the session moved, so the front end
+        follows it to the instance that resumed it."""
+        self.epoch = max(int(time.time() * 1000), self.epoch + 1)
+        for session in self.sessions.values():
+            if not session.done:
+                session.cancel(MOVED)
+        log.warning("rejoining with epoch %d", self.epoch)
 
     def set_state(self, principal: Principal, state: InstanceState) -> InstanceState:
         authorize(principal, Role.CONTROLLER)
@@ -518,6 +547,8 @@ class InstanceService:
             raise ServiceUnavailable(f"instance is {self.state}; it accepts no new sessions")
         if not tokens:
             raise InvalidInput("a prompt needs at least one token")
+        cap = min(max_tokens or self.config.max_tokens, self.config.max_tokens)
+        self.files.bounds.check(tokens, cap)
         tenant = self.config.tenants.get(tenant_name)
         b = self.block_tokens
         cut = (len(tokens) - 1) // b
@@ -537,7 +568,7 @@ class InstanceService:
             tenant,
             epoch,
             sampler,
-            min(max_tokens or self.config.max_tokens, self.config.max_tokens),
+            cap,
             prompt_blocks,
             tail,
             chain,
@@ -586,7 +617,7 @@ class InstanceService:
             tenant,
             checkpoint.epoch,
             checkpoint.sampler,
-            max_tokens or self.config.max_tokens,
+            min(max_tokens or self.config.max_tokens, self.config.max_tokens),
             checkpoint.prompt_blocks,
             checkpoint.prompt_tail,
             chain,
@@ -633,10 +664,15 @@ class InstanceService:
         def work() -> None:
             nonlocal exported
             started = time.perf_counter()
-            logits = engine.forward(state, rest)
+            for at in range(0, len(rest), PREFILL_CHUNK):  # a cancelled prompt stops early
+                logits = engine.forward(state, rest[at : at + PREFILL_CHUNK])
+                if session.cancelled is not None:
+                    return
             if len(rest) > 1:
                 self.prefill_rate = len(rest) / max(time.perf_counter() - started, 1e-6)
             for step in range(first_step, session.max_tokens):
+                if session.cancelled is not None:
+                    return
                 while exported < len(state) // b:
                     emit("block", (exported, engine.export_block(state, exported).tobytes()))
                     exported += 1
@@ -665,7 +701,8 @@ class InstanceService:
                 session.hints[0], self.compat_id, session.hints[1]
             )
         session.done = True
-        await self._checkpoint(session, final=True)
+        if session.cancelled != MOVED:  # a moved session's epoch is over at the controller
+            await self._checkpoint(session, final=True)
         session.notify()
 
     def _on_event(self, session: Session, kind: str, value: Any) -> None:
@@ -737,6 +774,7 @@ class InstanceService:
                     "kv_hints": [o.to_json() for o in session.hint_outcomes],
                     "generated": len(session.generated),
                     "error": session.error,
+                    "moved": session.cancelled == MOVED,
                 }
                 return
             await changed.wait()
@@ -750,8 +788,12 @@ class InstanceService:
         return await self.kv.execute(principal, self.compat_id, hints)
 
     async def end_session(self, principal: Principal, session: str) -> int:
-        """The controller says a session is over: it owns nothing and its pins go."""
+        """The controller says a session is over (or its client went away): generation
+        stops, it owns nothing and its pins go."""
         authorize(principal, Role.CONTROLLER)
+        running = self.sessions.get(session)
+        if running is not None and not running.done:
+            running.cancel("ended by the controller")
         return await self.holder.call(lambda: self.kv.end(session))
 
     async def events_after(self, after: int, limit: int, wait_ms: int) -> EventPage:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import Any
 
 from starlette.applications import Starlette
@@ -32,6 +32,7 @@ from kvsp.core.problems import (
     NotFound,
     PayloadTooLarge,
     RecordError,
+    ServiceUnavailable,
     UnsupportedMediaType,
 )
 from kvsp.core.registries import JSON_MEDIA_TYPE, PROBLEM_MEDIA_TYPE
@@ -39,6 +40,7 @@ from kvsp.core.registries import JSON_MEDIA_TYPE, PROBLEM_MEDIA_TYPE
 __all__ = [
     "AsgiEndpoint",
     "ExactRoutes",
+    "InflightOctets",
     "ProblemResponder",
     "header_value",
     "install_problem_handlers",
@@ -63,10 +65,12 @@ def json_response(body: bytes, status: int = 200) -> Response:
 
 
 def _problem(error: KvspError, request: Request) -> JSONResponse:
+    retry = error.extensions.get("retry_after_s")
     return JSONResponse(
         error.to_problem(instance=request.url.path),
         status_code=error.status,
         media_type=PROBLEM_MEDIA_TYPE,
+        headers=None if retry is None else {"retry-after": str(retry)},
     )
 
 
@@ -220,6 +224,30 @@ class AsgiEndpoint:
         await self._handler(scope, receive, send)
 
 
+class InflightOctets:
+    """Bounds the octets of request bodies being received at once: one client's many large
+    PUTs can pin at most ``limit`` octets of memory; past it a request is refused at once with
+    503 and ``Retry-After`` (it may come back when others are done)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    @contextmanager
+    def reserve(self, octets: int) -> Iterator[None]:
+        if self.held + octets > self.limit:
+            raise ServiceUnavailable(
+                f"{self.held} octets of bodies are being received; {octets} more would pass "
+                f"the {self.limit}-octet limit",
+                retry_after_s=1,
+            )
+        self.held += octets
+        try:
+            yield
+        finally:
+            self.held -= octets
+
+
 def header_value(scope: Scope, name: bytes) -> str | None:
     """A request header from an ASGI scope (``name`` in lowercase)."""
     for key, value in scope["headers"]:
@@ -233,9 +261,11 @@ async def read_body(
     receive: Receive,
     max_octets: int,
     media_types: tuple[str, ...] = _ACCEPTED_TYPES,
+    inspect: Callable[[bytes], bool] | None = None,
 ) -> bytes:
     """The request body, if it is of an accepted type (JSON unless told otherwise) and at most
-    ``max_octets``.
+    ``max_octets``. ``inspect`` sees the octets received so far as they come, until it says it
+    has seen enough (True) or raises to refuse the body before the rest is read.
 
     Works on the ASGI primitives so that the hottest routes can skip request objects.
     """
@@ -264,7 +294,12 @@ async def read_body(
         received += len(chunk)
         if received > max_octets:
             raise PayloadTooLarge(f"body is above the {max_octets}-octet limit")
-        if not message.get("more_body", False):
+        more = message.get("more_body", False)
+        if inspect is not None and (
+            inspect(b"".join([*chunks, chunk]) if chunks else chunk) or not more
+        ):
+            inspect = None
+        if not more:
             return b"".join([*chunks, chunk]) if chunks else chunk
         chunks.append(chunk)
 
@@ -290,11 +325,14 @@ async def send_json(send: Send, body: bytes, status: int = 200) -> None:
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
-    """A JSON object from a body; anything else is a 400 ``RecordError``."""
+    """A JSON object from a body; anything else (nested too deep included) is a 400
+    ``RecordError``."""
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise RecordError(f"body is not JSON: {exc}") from None
+    except RecursionError:
+        raise RecordError("body is nested too deeply") from None
     if not isinstance(doc, dict):
         raise RecordError("body must be a JSON object")
     return doc

@@ -1,6 +1,18 @@
-"""How kvsp runs its services' ASGI apps: uvicorn, each response sent in one write.
+"""How kvsp runs its services' ASGI apps: uvicorn behind a front door, each response sent in
+one write.
 
-uvicorn writes a response's status line and fields as soon as the app sends
+The front door (``FrontDoor``, ``HttpProtocol``): uvicorn's httptools protocol bounds nothing
+before the app sees a request. A 96 MB header line was accumulated whole (a 21 s stall of the
+event loop), a head sent at one octet a second held its connection for ever, and a connection
+that never sent anything was never closed. ``HttpProtocol`` counts a request's head octets as
+they arrive and stops at ``head_octets`` (431), bounds the field count (431) and the request
+target (414), gives the head ``head_timeout_s`` from its first octet (or from the connection's
+start) and the body ``body_idle_s`` between octets (408; a body the app has not read yet is not
+the client's delay), closes a connection idle between requests after ``idle_timeout_s``, and
+turns a connection away beyond ``connections`` (503). Every rejection, uvicorn's own 400
+included, is an RFC 9457 problem document, logged once.
+
+Held writes: uvicorn writes a response's status line and fields as soon as the app sends
 ``http.response.start`` and the body when it sends ``http.response.body``; under uvloop each
 write is a send of its own, so every answer costs two system calls and leaves as two segments.
 Profiled under load on an index lookup (a 30 KB answer), the send of the head alone took a fifth
@@ -14,14 +26,39 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
+import logging
 import sys
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
+import httptools
 import uvicorn
 from uvicorn.config import STARTUP_FAILURE, LifespanType
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["HELD_OCTETS_LIMIT", "HeldWrites", "HttpProtocol", "serve", "uvicorn_config"]
+from kvsp.core.problems import (
+    HeaderFieldsTooLarge,
+    InvalidInput,
+    KvspError,
+    RequestTimeout,
+    ServiceUnavailable,
+    UriTooLong,
+)
+from kvsp.core.registries import PROBLEM_MEDIA_TYPE
+
+__all__ = [
+    "HELD_OCTETS_LIMIT",
+    "FrontDoor",
+    "HeldWrites",
+    "HttpProtocol",
+    "parse_front_door",
+    "serve",
+    "uvicorn_config",
+]
+
+log = logging.getLogger("kvsp.http")
 
 #: Held writes reaching this many octets go out at once, so that a response streamed in many
 #: chunks within one step never sits outside the real transport's flow control.
@@ -110,32 +147,230 @@ class HeldWrites(asyncio.Transport):
         return self._transport.get_write_buffer_limits()
 
 
+@dataclass(frozen=True, slots=True)
+class FrontDoor:
+    """What one request or connection may cost a service before its app sees it."""
+
+    #: octets of a request head (request line and fields)
+    head_octets: int = 64 * 1024
+    #: header fields in a request
+    header_fields: int = 128
+    #: octets of the request target
+    target_octets: int = 8 * 1024
+    #: seconds from a head's first octet (or a new connection) to its end
+    head_timeout_s: float = 10.0
+    #: seconds a request body may go without an octet while the app waits for it
+    body_idle_s: float = 30.0
+    #: seconds a kept-alive connection may stay idle between requests
+    idle_timeout_s: float = 5.0
+    #: open connections; one more is answered 503 and closed
+    connections: int = 1024
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if not getattr(self, f.name) > 0:
+                raise ValueError(f"front door limit {f.name} must be > 0")
+
+
+def parse_front_door(settings: list[str], base: FrontDoor | None = None) -> FrontDoor:
+    """``FrontDoor`` from ``NAME=VALUE`` settings (``--http-limit head_octets=32768``)."""
+    door = base or FrontDoor()
+    types = {f.name: f.type for f in fields(FrontDoor)}
+    for setting in settings:
+        name, sep, value = setting.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in types:
+            raise ValueError(f"{setting!r}: expected NAME=VALUE with NAME one of {sorted(types)}")
+        try:
+            parsed: Any = float(value) if types[name] in (float, "float") else int(value)
+        except ValueError:
+            raise ValueError(f"{setting!r}: {value!r} is not a number") from None
+        door = replace(door, **{name: parsed})
+    return door
+
+
+def _problem_octets(error: KvspError, retry_after_s: int | None = None) -> bytes:
+    """A whole HTTP/1.1 answer carrying ``error``'s problem document; the connection closes."""
+    body = json.dumps(error.to_problem()).encode()
+    fields_ = [
+        b"HTTP/1.1 %d %s\r\n" % (error.status, error.title.encode()),
+        b"content-type: " + PROBLEM_MEDIA_TYPE.encode() + b"\r\n",
+        b"content-length: %d\r\n" % len(body),
+        b"connection: close\r\n",
+    ]
+    if retry_after_s is not None:
+        fields_.append(b"retry-after: %d\r\n" % retry_after_s)
+    return b"".join([*fields_, b"\r\n", body])
+
+
+class _Rejected(Exception):
+    """Raised in a parser callback to stop parsing; ``HttpProtocol`` answers ``error``."""
+
+    def __init__(self, error: KvspError) -> None:
+        super().__init__(error.detail)
+        self.error = error
+
+
 class HttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol writing through ``HeldWrites``."""
+    """uvicorn's httptools protocol behind ``FrontDoor``'s limits, writing through
+    ``HeldWrites``."""
+
+    def __init__(self, *args: Any, front_door: FrontDoor | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.door = front_door or FrontDoor()
+        #: whether the parser is inside a request head (or waiting for one)
+        self._in_head = True
+        self._head_seen = 0
+        self._fields = 0
+        self._rejection: KvspError | None = None
+        self._turned_away = False
+        self._read_timer: asyncio.TimerHandle | None = None
+
+    # -- connections ---------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.door.connections:
+            self._turned_away = True
+            error = ServiceUnavailable(f"more than {self.door.connections} open connections")
+            log.warning("connection turned away: %s", error.detail)
+            transport.write(_problem_octets(error, retry_after_s=1))
+            transport.close()
+            return
         super().connection_made(HeldWrites(transport, self.loop))
+        self._arm(self.door.head_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._turned_away:
+            return
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head and self.parser is not None:
+            room = self.door.head_octets - self._head_seen
+            if len(data) > room:  # feed what fits: the head may end within it
+                self._head_seen += max(room, 0)
+                self._feed(data[: max(room, 0)])
+                if self._in_head and not self.transport.is_closing():
+                    self._reject(
+                        HeaderFieldsTooLarge(f"request head above {self.door.head_octets} octets")
+                    )
+                elif not self.transport.is_closing():
+                    self.data_received(data[room:])
+                return
+            self._head_seen += len(data)
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        """uvicorn's ``data_received``, with every failure answered as a problem document."""
+        if not data:
+            return
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._reject(InvalidInput("protocol upgrades are not served"))
+        except httptools.HttpParserError as exc:
+            self._reject(self._rejection or InvalidInput(f"not an HTTP/1.1 request: {exc}"))
+
+    def _reject(self, error: KvspError) -> None:
+        self._disarm()
+        log.info("%s %s: %s", error.status, error.slug, error.detail)
+        self.transport.write(_problem_octets(error))
+        self.transport.close()
+
+    # -- parser callbacks ----------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head, self._fields = True, 0
+        self._arm(self.door.head_timeout_s)
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        if len(self.url) > self.door.target_octets:
+            self._stop(UriTooLong(f"request target above {self.door.target_octets} octets"))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._fields += 1
+        if self._fields > self.door.header_fields:
+            self._stop(HeaderFieldsTooLarge(f"more than {self.door.header_fields} header fields"))
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._disarm()
+        super().on_headers_complete()
+        self._arm(self.door.body_idle_s)  # until the message is complete
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        self._arm(self.door.body_idle_s)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()
+        self._in_head, self._head_seen = True, 0
+
+    def _stop(self, error: KvspError) -> None:
+        self._rejection = error
+        raise _Rejected(error)
+
+    # -- read timers ---------------------------------------------------------------------------
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._read_timer = self.loop.call_later(seconds, self._read_timed_out)
+
+    def _disarm(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def _read_timed_out(self) -> None:
+        self._read_timer = None
+        if self.transport is None or self.transport.is_closing():
+            return
+        if self._in_head:
+            timeout = self.door.head_timeout_s
+            self._reject(RequestTimeout(f"request head not received in {timeout} s"))
+            return
+        if self.flow.read_paused:  # the app has not read what came: not the client's delay
+            self._arm(self.door.body_idle_s)
+            return
+        log.info("408 kvsp-request-timeout: no body octet in %s s", self.door.body_idle_s)
+        self.transport.close()  # the app reading the body sees the client go away
 
 
 def uvicorn_config(
-    app: Any, host: str, port: int, log_level: str = "info", lifespan: LifespanType = "auto"
+    app: Any,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    lifespan: LifespanType = "auto",
+    front_door: FrontDoor | None = None,
 ) -> uvicorn.Config:
     """The uvicorn configuration every kvsp service runs with."""
+    door = front_door or FrontDoor()
     return uvicorn.Config(
         app,
         host=host,
         port=port,
-        http=HttpProtocol,
+        http=functools.partial(HttpProtocol, front_door=door),  # type: ignore[arg-type]
         lifespan=lifespan,
         log_level=log_level,
         access_log=False,
+        timeout_keep_alive=door.idle_timeout_s,  # type: ignore[arg-type]
+        backlog=min(door.connections, 4096),
     )
 
 
-def serve(app: Any, host: str, port: int, log_level: str = "info") -> None:
+def serve(
+    app: Any, host: str, port: int, log_level: str = "info", front_door: FrontDoor | None = None
+) -> None:
     """Run ``app`` until the process is stopped, as ``uvicorn.run`` would: a server that could
     not start (its port taken) ends the process with uvicorn's startup-failure status."""
-    server = uvicorn.Server(uvicorn_config(app, host, port, log_level))
+    server = uvicorn.Server(uvicorn_config(app, host, port, log_level, front_door=front_door))
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
     if not server.started:
