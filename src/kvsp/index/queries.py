@@ -102,4 +102,6 @@ def decode_lookup(body: bytes) -> LookupQuery:
         packed = _packed(doc.block_keys)
     except (msgspec.DecodeError, ValueError) as exc:  # ValidationError is a DecodeError
         raise RecordError(f"LookupRequest: {exc}") from None
+    except RecursionError:
+        raise RecordError("LookupRequest: nested too deeply") from None
     return Lookup(doc.scope_id, doc.compat_id, PackedKeys(packed), doc.block_tokens)
