@@ -130,7 +130,7 @@ class InstanceTable:
         known = self._instances.get(url)
         if known is not None and status.epoch < known.epoch:
             raise StaleEpoch(f"epoch {status.epoch} of {url} is below {known.epoch}, already seen")
-        if status.epoch > now + self.policy.max_epoch_ahead_ms:
+        if status.epoch > self.clock.wall_ms() + self.policy.max_epoch_ahead_ms:
             raise RecordError(
                 f"epoch {status.epoch} of {url} is more than {self.policy.max_epoch_ahead_ms} ms "
                 "ahead of the controller's clock"
