@@ -353,7 +353,8 @@ async def test_a_peer_failing_background_work_is_logged_not_left_in_a_task(
     assert (await env.place(session=SESSION))["instance"] == env.urls[0]
     # the stand-in has no session route: ending the session there fails in the background
     env.service.forget_session(SESSION)
-    while [t for t in env.service._tasks if t.get_name() != "kvsp-controller-tick"]:
+    running = {"kvsp-controller-tick", "kvsp-status-forwarder"}  # for the service's lifetime
+    while [t for t in env.service._tasks if t.get_name() not in running]:
         await asyncio.sleep(0.01)
     gc.collect()  # an exception nobody retrieved would be reported now
     await asyncio.sleep(0)

@@ -494,6 +494,15 @@ class LookupRequest(Record):
     #: extension: tokens per block, so the IS can estimate ``recompute_us``
     block_tokens: Annotated[StrictInt, Field(ge=1, le=1 << 20)] | None = None
 
+    @field_validator("block_keys")
+    @classmethod
+    def _no_repeats(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        """A chain of Block Keys never repeats one; a repeated key would only multiply the
+        answer (65,536 copies of one key made a 481 MB answer)."""
+        if len(set(value)) != len(value):
+            raise ValueError("a key appears twice: a chain of Block Keys never repeats one")
+        return value
+
 
 class TargetEstimate(Record):
     target: HttpUrl
