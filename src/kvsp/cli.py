@@ -378,6 +378,7 @@ def controller_serve_command(
     port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 9000,
     block_tokens: Annotated[int, typer.Option("--block-tokens", min=1)] = 16,
     min_active: Annotated[int, typer.Option("--min-active", min=0)] = 1,
+    max_epoch_ahead_ms: Annotated[int, typer.Option("--max-epoch-ahead-ms", min=0)] = 86_400_000,
     max_cost_us: Annotated[float, typer.Option("--max-cost-us", min=0)] = float("inf"),
     mean_service_us: Annotated[float, typer.Option("--mean-service-us", min=0)] = 500_000.0,
     frontend: Annotated[
@@ -400,7 +401,7 @@ def controller_serve_command(
         instance_token=_read_token(instance_token_file),
         block_tokens=block_tokens,
         placement=PlacementPolicy(max_cost_us=max_cost_us, mean_service_us=mean_service_us),
-        instances=InstancePolicy(min_active=min_active),
+        instances=InstancePolicy(min_active=min_active, max_epoch_ahead_ms=max_epoch_ahead_ms),
     )
     principals = _principals(auth, host)
     service = ControllerService(config)
@@ -451,6 +452,9 @@ def instance_serve_command(
     g2_bytes: Annotated[str, typer.Option("--g2-bytes")] = "1G",
     block_tokens: Annotated[int, typer.Option("--block-tokens", min=1)] = 16,
     status_ttl_ms: Annotated[int, typer.Option("--status-ttl-ms", min=300)] = 3_000,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", min=1, help="output tokens one request may ask for")
+    ] = 256,
     threads: Annotated[int | None, typer.Option("--threads", min=1)] = None,
     sleep_after_s: Annotated[
         float | None, typer.Option("--sleep-after-s", help="ask to sleep when idle this long")
@@ -493,6 +497,7 @@ def instance_serve_command(
         token=_read_token(token_file),
         offload_url=offload,
         status_ttl_ms=status_ttl_ms,
+        max_tokens=max_tokens,
         threads=threads,
         sleep_after_s=sleep_after_s,
         session_index=session_index,

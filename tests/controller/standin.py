@@ -19,6 +19,8 @@ class StandIn:
         self.ack_reshard = ack_reshard
         self.reshard_delay_s = reshard_delay_s
         self.directives: dict[str, list[str]] = {}
+        #: answer state changes (wakes, drains) with a 503, as an unreachable instance would
+        self.refuse_state = False
         self.app = Starlette(
             routes=[
                 Route("/kvsp/state", self.state, methods=["PUT"]),
@@ -39,6 +41,8 @@ class StandIn:
 
     async def state(self, request: Request) -> Response:
         body = await self._record("state", request)
+        if self.refuse_state:
+            return JSONResponse({"status": 503, "detail": "down"}, status_code=503)
         return JSONResponse({"state": body["state"]})
 
     async def prefetch(self, request: Request) -> Response:

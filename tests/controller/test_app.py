@@ -361,3 +361,61 @@ async def test_a_peer_failing_background_work_is_logged_not_left_in_a_task(
     warnings = [r.getMessage() for r in caplog.records if r.name == "kvsp.controller"]
     assert any(f"session {SESSION} not ended at {env.urls[0]}" in w for w in warnings)
     assert not [r for r in caplog.records if r.name == "asyncio"]
+
+
+async def test_status_is_answered_without_waiting_for_a_slow_index(env: Env) -> None:
+    """The IS hears of statuses in the background, newest first: an IS that hangs never makes
+    an instance's status late (which used to make a live instance failed)."""
+    forwarder = env.service.forwarder
+    assert forwarder is not None
+    hang = asyncio.Event()
+    sent: list[int] = []
+
+    async def stuck(status: Any) -> None:
+        sent.append(status.queued)
+        await hang.wait()
+
+    forwarder._send = stuck
+    await env.report(0, queued=1)
+    for queued in (2, 3, 4):
+        started = asyncio.get_running_loop().time()
+        assert (await env.report(0, queued=queued)).status_code == 200
+        assert asyncio.get_running_loop().time() - started < 1.0
+    assert sent == [1]  # the first is being sent; of the rest only the newest waits
+    assert len(forwarder) == 1
+    hang.set()
+    for _ in range(100):
+        if sent == [1, 4]:
+            break
+        await asyncio.sleep(0.01)
+    assert sent == [1, 4]
+
+
+async def test_a_failed_wake_sends_no_work_and_leaves_the_instance_asleep(env: Env) -> None:
+    await env.publish(4)
+    await env.report(0, state="sleeping", links=LINK)
+    sleeper = env.stand_ins[env.urls[0]]
+    sleeper.refuse_state = True
+    doc = await env.place()
+    assert doc["outcome"] == "none"
+    assert doc["instance"] is None
+    assert "wake" in doc["reason"]
+    assert sleeper.of("prefetch") == []
+    # the table was never changed: the instance's next sleeping status is accepted
+    assert (await env.report(0, state="sleeping")).json() == {"state": "sleeping"}
+
+
+async def test_a_restart_fails_the_old_epochs_sessions_over_at_once(env: Env) -> None:
+    await env.report(0)
+    await env.report(1, queued=3)
+    assert (await env.place(session=SESSION))["instance"] == env.urls[0]
+    # I1 restarts (a higher epoch) long before its old status expires
+    assert (await env.report(0, epoch=2, queued=5)).json() == {"state": "active"}
+    for _ in range(200):
+        session = (await env.call("GET", f"sessions/{SESSION}")).json()
+        if session["epoch"] == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert session["epoch"] == 1
+    resumed = [s for s in env.stand_ins.values() if s.of("resume")]
+    assert len(resumed) == 1

@@ -6,7 +6,13 @@ import pytest
 
 from kvsp.controller.instances import TRANSITIONS, InstancePolicy, InstanceTable
 from kvsp.core.clock import ManualClock
-from kvsp.core.problems import IllegalTransition, NotFound, StaleEpoch
+from kvsp.core.problems import (
+    IllegalTransition,
+    InstanceFailed,
+    NotFound,
+    RecordError,
+    StaleEpoch,
+)
 from kvsp.core.records import InstanceState
 from tests.index.factories import I1, I2, status
 
@@ -117,3 +123,51 @@ def test_failures_noticed_by_other_calls_are_still_handed_out() -> None:
     t.put_status(status(I2))  # notices that I1 failed
     assert [i.url for i in t.expire()] == [I1]
     assert t.expire() == []
+
+
+def test_a_live_instance_marked_failed_is_told_to_take_a_new_epoch() -> None:
+    """Liveness heals: the same epoch after expiry is ``InstanceFailed`` (409), and the
+    instance's next epoch is active at once."""
+    t, clock = table()
+    t.put_status(status(I1, epoch=1, ttl_ms=1_000))
+    clock.advance(1_000)
+    t.expire()
+    with pytest.raises(InstanceFailed) as raised:
+        t.put_status(status(I1, epoch=1))
+    assert raised.value.status == 409
+    assert t.get(I1).state is F
+    assert t.put_status(status(I1, epoch=clock.wall_ms())) is A
+
+
+def test_a_restart_before_expiry_hands_the_old_epoch_to_failover() -> None:
+    t, _ = table()
+    t.put_status(status(I1, epoch=1))
+    assert t.expire() == []
+    assert t.put_status(status(I1, epoch=2)) is A
+    (failed,) = t.expire()
+    assert failed.url == I1
+    assert t.expire() == []
+    assert t.get(I1).state is A
+
+
+def test_an_epoch_far_ahead_of_the_clock_is_refused_and_changes_nothing() -> None:
+    t, clock = table()
+    t.put_status(status(I1, epoch=5))
+    with pytest.raises(RecordError):
+        t.put_status(status(I1, epoch=clock.wall_ms() + 86_400_001))
+    assert t.get(I1).epoch == 5
+    t.put_status(status(I1, epoch=clock.wall_ms() + 86_400_000))  # within the allowed skew
+
+
+def test_a_checked_wake_changes_nothing_until_it_is_made() -> None:
+    t, _ = table(min_active=0)
+    t.put_status(status(I1))
+    t.put_status(status(I1, requested_state="sleeping"))
+    t.put_status(status(I1, state="sleeping", running=0))
+    assert t.get(I1).state is S
+    t.check_set_state(I1, A)
+    assert t.get(I1).state is S
+    with pytest.raises(IllegalTransition):
+        t.check_set_state(I1, F)
+    t.set_state(I1, A)
+    assert t.get(I1).state is A

@@ -93,8 +93,15 @@ _B64URL = re.compile(r"[A-Za-z0-9_-]*")
 Hex32 = Annotated[StrictStr, Field(pattern=HEX32_PATTERN)]
 Hex16 = Annotated[StrictStr, Field(pattern=HEX16_PATTERN)]
 Digest = Annotated[StrictStr, Field(pattern=DIGEST_PATTERN)]
-NonNegInt = Annotated[StrictInt, Field(ge=0)]
-PositiveInt = Annotated[StrictInt, Field(ge=1)]
+_U63_MAX = (1 << 63) - 1
+_U16_MAX = 0xFFFF
+#: every integer on the wire has an upper bound (docs/api.md): counts and durations in ms fit
+#: 32 bits (49 days), versions, epochs and octet counts 63
+U16 = Annotated[StrictInt, Field(ge=0, le=_U16_MAX)]
+U32 = Annotated[StrictInt, Field(ge=0, le=_U32_MAX)]
+U63 = Annotated[StrictInt, Field(ge=0, le=_U63_MAX)]
+PositiveU32 = Annotated[StrictInt, Field(ge=1, le=_U32_MAX)]
+PositiveU63 = Annotated[StrictInt, Field(ge=1, le=_U63_MAX)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=_U32_MAX)]
 Rate = Annotated[StrictFloat | StrictInt, Field(gt=0, allow_inf_nan=False)]
 NonNegNumber = Annotated[StrictFloat | StrictInt, Field(ge=0, allow_inf_nan=False)]
@@ -172,7 +179,7 @@ class Record(BaseModel):
 
 class Residency(Record):
     tier: Tier
-    layers: tuple[NonNegInt, NonNegInt]
+    layers: tuple[U16, U16]
     read_mbit_per_s: Rate | None = None
 
     @field_validator("layers")
@@ -188,14 +195,14 @@ class ReplicaRecord(Record):
     compat_id: Hex32
     scope_id: Hex16
     holder: Annotated[StrictStr, Field(max_length=_MAX_URL)]
-    codec: StrictInt
-    size: PositiveInt
+    codec: U32
+    size: PositiveU63
     digest: Digest
     layer_digests: Annotated[tuple[Hex32, ...], Field(min_length=1, max_length=65_535)] | None = (
         None
     )
     residency: Annotated[tuple[Residency, ...], Field(min_length=1, max_length=64)]
-    ttl_ms: PositiveInt
+    ttl_ms: PositiveU32
     moqt_namespace: Annotated[StrictStr, Field(max_length=2048)] | None = None
 
     @field_validator("codec")
@@ -293,17 +300,17 @@ class Link(Record):
 
 class InstanceStatusRecord(Record):
     instance: HttpUrl
-    epoch: NonNegInt
+    epoch: U63
     state: InstanceState
-    running: NonNegInt
-    queued: NonNegInt
-    batch_size: NonNegInt
+    running: U32
+    queued: U32
+    batch_size: U32
     kv_utilization: Annotated[StrictFloat | StrictInt, Field(ge=0, le=1)]
     prefill_tokens_per_s: Rate
     decode_tokens_per_s: Rate
     links: Annotated[tuple[Link, ...], Field(max_length=1024)] = ()
     requested_state: Literal[InstanceState.SLEEPING] | None = None
-    ttl_ms: PositiveInt
+    ttl_ms: PositiveU32
     _links_by_holder: dict[str, Link] | None = PrivateAttr(default=None)
 
     @field_validator("links")
@@ -334,7 +341,7 @@ class Sampler(Record):
     method: Literal["greedy", "temperature", "top-k", "top-p"]
     params: dict[StrictStr, StrictFloat | StrictInt] = Field(default_factory=dict)
     seed: Annotated[StrictInt, Field(ge=0, le=_U64_MAX)] = 0
-    step: NonNegInt = 0
+    step: U32 = 0
     deterministic: StrictBool = False
 
     @model_validator(mode="after")
@@ -361,13 +368,13 @@ class Sampler(Record):
 
 class SessionCheckpoint(Record):
     session: Uuid
-    epoch: NonNegInt
+    epoch: U32
     compat_id: Hex32
     scope_id: Hex16
     prompt_blocks: Annotated[tuple[Hex32, ...], Field(max_length=MAX_KEYS_PER_REQUEST)]
     prompt_tail: Annotated[tuple[TokenId, ...], Field(max_length=1 << 20)]
     generated: Annotated[tuple[TokenId, ...], Field(max_length=1 << 20)]
-    output_offset: NonNegInt
+    output_offset: U32
     sampler: Sampler
 
     @model_validator(mode="after")
@@ -377,7 +384,7 @@ class SessionCheckpoint(Record):
         return self
 
 
-TokenRange = tuple[NonNegInt, NonNegInt]
+TokenRange = tuple[U32, U32]
 
 
 def _half_open(value: tuple[int, int]) -> tuple[int, int]:
@@ -396,7 +403,7 @@ class Shard(Record):
 
 class ShardMap(Record):
     map: Annotated[StrictStr, Field(min_length=1, max_length=128)]
-    version: NonNegInt
+    version: U63
     shards: Annotated[tuple[Shard, ...], Field(min_length=1, max_length=4096)]
 
     @field_validator("shards")
@@ -420,9 +427,9 @@ class FetchRange(Record):
 
 class ReshardPlan(Record):
     map: Annotated[StrictStr, Field(min_length=1, max_length=128)]
-    from_: NonNegInt = Field(alias="from")
-    to: NonNegInt
-    deadline_ms: PositiveInt
+    from_: U63 = Field(alias="from")
+    to: U63
+    deadline_ms: PositiveU32
     retain: Annotated[tuple[HalfOpen, ...], Field(max_length=4096)] = ()
     fetch: Annotated[tuple[FetchRange, ...], Field(max_length=4096)] = ()
     release: Annotated[tuple[HalfOpen, ...], Field(max_length=4096)] = ()
@@ -440,12 +447,12 @@ class ReshardPlan(Record):
 
 class ReshardCommit(Record):
     map: Annotated[StrictStr, Field(min_length=1, max_length=128)]
-    commit: NonNegInt
+    commit: U63
 
 
 class ReshardAbort(Record):
     map: Annotated[StrictStr, Field(min_length=1, max_length=128)]
-    abort: NonNegInt
+    abort: U63
 
 
 class PrefetchBlock(Record):
@@ -462,8 +469,8 @@ class PrefetchDirective(Record):
         tuple[PrefetchBlock, ...], Field(min_length=1, max_length=MAX_KEYS_PER_REQUEST)
     ]
     layer_order: Literal["ascending"] = "ascending"
-    deadline_ms: PositiveInt
-    lease_ms: PositiveInt
+    deadline_ms: PositiveU32
+    lease_ms: PositiveU32
 
     @field_validator("blocks")
     @classmethod
@@ -509,11 +516,11 @@ class TargetEstimate(Record):
     fetch_us: NonNegNumber
     recompute_us: NonNegNumber
     #: extension: matched blocks the target can load (a prefix of ``matched``)
-    fetch_blocks: NonNegInt | None = None
+    fetch_blocks: U32 | None = None
 
 
 class LookupResponse(Record):
-    matched: NonNegInt
+    matched: U32
     replicas: tuple[tuple[ReplicaRecord, ...], ...] = ()
     estimates: tuple[TargetEstimate, ...] = ()
 
@@ -528,17 +535,17 @@ class LeaseRequest(Record):
     compat_id: Hex32
     scope_id: Hex16
     block_keys: Annotated[tuple[Hex32, ...], Field(min_length=1, max_length=MAX_KEYS_PER_REQUEST)]
-    ttl_ms: PositiveInt
+    ttl_ms: PositiveU32
 
 
 class LeaseGrant(Record):
     lease: Annotated[StrictStr, Field(min_length=1, max_length=128)]
-    ttl_ms: PositiveInt
+    ttl_ms: PositiveU32
     clipped: StrictBool = False
 
 
 class LeaseRenewal(Record):
-    ttl_ms: PositiveInt
+    ttl_ms: PositiveU32
 
 
 class StateChange(Record):

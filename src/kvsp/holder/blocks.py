@@ -17,7 +17,10 @@ from typing import Any
 from kvsp.core.container import Container, ContainerHeader, layer_digest, replica_digest
 from kvsp.core.problems import ContainerError, DigestError, RecordError
 
-__all__ = ["BlockId", "BlockMeta", "block_ref", "verify_layers"]
+__all__ = ["MAX_BLOCK_OCTETS", "BlockId", "BlockMeta", "block_ref", "verify_layers"]
+
+#: the largest container a holder stores and a client receives, unless configured otherwise
+MAX_BLOCK_OCTETS = 256 << 20
 
 #: (compat_id, scope_id, block_key), lower-case hex.
 BlockId = tuple[str, str, str]

@@ -30,7 +30,7 @@ from kvsp.core.problems import ContainerLengthError, DigestError, ServiceUnavail
 from kvsp.core.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord
 from kvsp.core.registries import BLOCK_MEDIA_TYPE, JSON_MEDIA_TYPE
 from kvsp.core.urls import canonical_url
-from kvsp.holder.blocks import BlockId, block_ref
+from kvsp.holder.blocks import MAX_BLOCK_OCTETS, BlockId, block_ref
 from kvsp.web.client import ClosingClient, auth_headers, problem_for
 from kvsp.web.http1 import BodyTooLarge, Http1Client, ProtocolError, Response
 
@@ -63,6 +63,8 @@ class BlockReceiver:
         size = record.size if length is None else length
         if size > record.size:
             raise ContainerLengthError(f"{size} octets is above the replica's {record.size}")
+        if size > MAX_BLOCK_OCTETS:  # a record's size alone never makes us allocate
+            raise ContainerLengthError(f"{size} octets is above the {MAX_BLOCK_OCTETS} received")
         if buffer is None or len(buffer) < size:
             buffer = memoryview(bytearray(size))
         self.buffer = buffer[:size]

@@ -42,7 +42,7 @@ from kvsp.core.problems import (
 from kvsp.core.records import LeaseGrant, LeaseRequest, ReplicaRecord, ReplicaRef
 from kvsp.core.registries import Tier
 from kvsp.core.urls import canonical_url
-from kvsp.holder.blocks import BlockId, BlockMeta, block_ref
+from kvsp.holder.blocks import MAX_BLOCK_OCTETS, BlockId, BlockMeta, block_ref
 from kvsp.holder.leases import LeaseLimits, LeaseTable
 from kvsp.holder.store import (
     BlockRead,
@@ -84,7 +84,7 @@ class HolderConfig:
     #: an instance reports its host tier, since its device tier is faster)
     disk_read_mbit_per_s: float = 16_000.0
     host_read_mbit_per_s: float | None = None
-    max_block_octets: int = 256 << 20
+    max_block_octets: int = MAX_BLOCK_OCTETS
     #: layers a stored container may have (the IS refuses records with more)
     max_layers: int = 1024
     #: octets of block PUT bodies being received at once; beyond it a PUT is 503 + Retry-After

@@ -30,15 +30,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
 
 from kvsp.auth import Principal, Role, authorize
 from kvsp.controller.tenants import Tenant, Tenants
@@ -80,6 +83,7 @@ from kvsp.holder.store import Protected, TierData
 from kvsp.index.client import IndexClient
 from kvsp.instance.engine import Engine, KvState
 from kvsp.instance.events import EventPage
+from kvsp.instance.fair import FairWorker
 from kvsp.instance.hints import HintLimits, HintOutcome, KvHints, PinTable
 from kvsp.instance.kvpool import BlockRefs, KvPages
 from kvsp.instance.model import ModelFiles, installed
@@ -130,6 +134,10 @@ class InstanceConfig:
     events: int = 4096
 
 
+T = TypeVar("T")
+
+#: whose turn the controller's own engine work (sequence shards) takes
+CONTROL_TURN = ""
 #: prompt tokens computed per engine call: between calls a cancelled session stops
 PREFILL_CHUNK = 512
 #: why a session of an epoch the controller marked failed stopped (it was resumed elsewhere)
@@ -154,6 +162,23 @@ class _ControllerClient(JsonClient):
         path = f"sessions/{checkpoint.session}/checkpoint"
         response = await self._send("PUT", path, checkpoint.model_dump_json().encode())
         return int(response.json()["acknowledged"])
+
+
+class _Timed:
+    """Calls a function and adds up how long its calls took (the engine's own time, without
+    the turns of other tenants)."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self.last_s = 0.0
+
+    def __call__(self, fn: Callable[..., T], *args: Any) -> T:
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.last_s = time.perf_counter() - started
+            self.total_s += self.last_s
 
 
 @dataclass
@@ -278,7 +303,8 @@ class InstanceService:
         self.links: dict[str, tuple[float, float]] = {}
         self.prefill_rate = 400.0
         self.decode_rate = 15.0
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvsp-engine")
+        #: the engine's one thread, shared fairly between tenants
+        self.engine_thread = FairWorker("kvsp-engine")
         self._idle_since = time.monotonic()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -319,7 +345,7 @@ class InstanceService:
             if client is not None:
                 await client.aclose()
         await self.holder.close()
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        self.engine_thread.shutdown()
 
     def running(self) -> int:
         return sum(1 for s in self.sessions.values() if not s.done)
@@ -653,39 +679,53 @@ class InstanceService:
     async def _run(
         self, session: Session, state: KvState, rest: list[int], first_step: int
     ) -> None:
-        loop = asyncio.get_running_loop()
+        """Compute the prompt's rest, then generate, one step at a time in the tenant's turn
+        on the engine thread (``FairWorker``); a cancelled session stops between steps."""
         engine = self.engine
         b = engine.block_tokens
+        tenant = session.tenant.name
         exported = len(state) // b  # blocks already held (imported)
+        timed = _Timed()
 
-        def emit(kind: str, value: Any) -> None:
-            loop.call_soon_threadsafe(self._on_event, session, kind, value)
-
-        def work() -> None:
+        def decode_step(
+            logits: npt.NDArray[np.float32], step: int
+        ) -> tuple[list[tuple[int, bytes]], int, npt.NDArray[np.float32] | None]:
+            """The blocks completed so far, the next token, and the logits after it (None
+            once the session stops there)."""
             nonlocal exported
-            started = time.perf_counter()
-            for at in range(0, len(rest), PREFILL_CHUNK):  # a cancelled prompt stops early
-                logits = engine.forward(state, rest[at : at + PREFILL_CHUNK])
-                if session.cancelled is not None:
-                    return
-            if len(rest) > 1:
-                self.prefill_rate = len(rest) / max(time.perf_counter() - started, 1e-6)
-            for step in range(first_step, session.max_tokens):
-                if session.cancelled is not None:
-                    return
-                while exported < len(state) // b:
-                    emit("block", (exported, engine.export_block(state, exported).tobytes()))
-                    exported += 1
-                token = next_token(logits, session.sampler, step)
-                emit("token", token)
-                if token in engine.stop_ids or step + 1 >= session.max_tokens:
-                    break
-                started = time.perf_counter()
-                logits = engine.forward(state, [token])
-                self.decode_rate = 1 / max(time.perf_counter() - started, 1e-6)
+            blocks = []
+            while exported < len(state) // b:
+                blocks.append((exported, engine.export_block(state, exported).tobytes()))
+                exported += 1
+            token = next_token(logits, session.sampler, step)
+            if token in engine.stop_ids or step + 1 >= session.max_tokens:
+                return blocks, token, None
+            after = timed(engine.forward, state, [token])
+            self.decode_rate = 1 / max(timed.last_s, 1e-6)
+            return blocks, token, after
 
         try:
-            await loop.run_in_executor(self._worker, work)
+            logits = None
+            for at in range(0, len(rest), PREFILL_CHUNK):
+                chunk = rest[at : at + PREFILL_CHUNK]
+                logits = await self.engine_thread.run(
+                    tenant, functools.partial(timed, engine.forward, state, chunk)
+                )
+                if session.cancelled is not None:
+                    break
+            if len(rest) > 1:
+                self.prefill_rate = len(rest) / max(timed.total_s, 1e-6)
+            step = first_step
+            while logits is not None and step < session.max_tokens:
+                if session.cancelled is not None:
+                    break
+                blocks, token, logits = await self.engine_thread.run(
+                    tenant, functools.partial(decode_step, logits, step)
+                )
+                for index, body in blocks:
+                    self._on_block(session, index, body)
+                self._on_token(session, token)
+                step += 1
         except Exception as exc:  # the session ends with the error; the service goes on
             log.exception("session %s failed", session.session)
             session.error = repr(exc)
@@ -705,24 +745,25 @@ class InstanceService:
             await self._checkpoint(session, final=True)
         session.notify()
 
-    def _on_event(self, session: Session, kind: str, value: Any) -> None:
-        if kind == "block":
-            index, body = value
-            key, parent = session.key_of(index), session.key_of(index - 1) if index else None
-            if key is not None:
-                scope = session.tenant.scope_id
-                self.kv.completed(
-                    session.session,
-                    (self.compat_id, scope, key),
-                    None if parent is None else (self.compat_id, scope, parent),
-                )
-            task = self._spawn(self._store(session, index, body))
-            session.stores.add(task)
-            task.add_done_callback(session.stores.discard)
-            self._spawn(self._checkpoint(session))
-            return
-        session.generated.append(value)
-        session.chain.extend([value])
+    def _on_block(self, session: Session, index: int, body: bytes) -> None:
+        """Block ``index`` of the session is complete: indexed, stored, checkpointed."""
+        key, parent = session.key_of(index), session.key_of(index - 1) if index else None
+        if key is not None:
+            scope = session.tenant.scope_id
+            self.kv.completed(
+                session.session,
+                (self.compat_id, scope, key),
+                None if parent is None else (self.compat_id, scope, parent),
+            )
+        task = self._spawn(self._store(session, index, body))
+        session.stores.add(task)
+        task.add_done_callback(session.stores.discard)
+        self._spawn(self._checkpoint(session))
+
+    def _on_token(self, session: Session, token: int) -> None:
+        """The session's next output token: released now, or once a checkpoint covers it."""
+        session.generated.append(token)
+        session.chain.extend([token])
         n = len(session.generated)
         if self.controller is None or session.sampler.deterministic:
             session.released = n
@@ -752,13 +793,17 @@ class InstanceService:
             )
         session.notify()
 
-    async def stream(
-        self, session_id: str, start: int = 0
-    ) -> AsyncIterator[TokenEvent | dict[str, Any]]:
-        """Released tokens from index ``start`` as they come, then a summary."""
+    def stream(self, session_id: str, start: int = 0) -> AsyncIterator[TokenEvent | dict[str, Any]]:
+        """Released tokens from index ``start`` as they come, then a summary; ``NotFound``
+        at once (before any answer starts) for a session not here."""
         session = self.sessions.get(session_id)
         if session is None:
             raise NotFound(f"no session {session_id} here")
+        return self._released(session, start)
+
+    async def _released(
+        self, session: Session, start: int
+    ) -> AsyncIterator[TokenEvent | dict[str, Any]]:
         index = start
         while True:
             changed = session.changed
@@ -842,7 +887,7 @@ class InstanceService:
             self.engine.forward(state, list(tokens))
             return [HeldRange((a, b), self.engine.export_range(state, a, b)) for a, b in ranges]
 
-        held = await asyncio.get_running_loop().run_in_executor(self._worker, work)
+        held = await self.engine_thread.run(CONTROL_TURN, work)
         self.shards.load(map_id, version, held)
 
     async def reshard(self, principal: Principal, message: dict[str, Any]) -> None:

@@ -142,7 +142,7 @@ class ShardHoldings:
         entry.version, entry.plan, entry.retained, entry.fetched = version, None, [], []
 
     def abort(self, map_id: str, version: int) -> None:
-        entry = self._maps.get(map_id)
-        if entry is None or entry.plan is None or entry.plan.to != version:
+        entry = self._get(map_id)  # a map never seen here is NotFound
+        if entry.plan is None or entry.plan.to != version:
             return  # nothing of that version was started here: nothing to undo
         entry.plan, entry.retained, entry.fetched = None, [], []

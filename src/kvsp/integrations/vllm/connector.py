@@ -53,6 +53,7 @@ from kvsp.core.problems import (
 )
 from kvsp.core.records import LookupRequest, ReplicaRecord
 from kvsp.core.registries import CODEC_RAW
+from kvsp.holder.blocks import MAX_BLOCK_OCTETS
 from kvsp.holder.client import HolderClient
 from kvsp.index.client import IndexClient
 from kvsp.integrations.vllm.layout import CpuPagedCache
@@ -447,6 +448,8 @@ class KVSPConnector(KVConnectorBase_V1):
         for record in load.records:
             try:
                 for first, last in fetch_ranges(record, done, self.settings.layer_chunk):
+                    if record.size > MAX_BLOCK_OCTETS:  # a record's size alone allocates nothing
+                        raise ContainerError(f"replica of {record.size} octets is too large")
                     buffer = self._buffers.take(record.size)
                     run.buffers.append(buffer)
                     start = 0  # where layer ``first`` lies in the buffer

@@ -308,6 +308,10 @@ class VllmInstanceService(InstanceService):
     ) -> None:
         if progress.finished.done():
             return
+        if session.cancelled is not None:  # moved elsewhere, or its client went away
+            self.driver.abort(progress.request)
+            progress.finished.set_result(None)
+            return
         if isinstance(output, BaseException):
             progress.finished.set_exception(output)
             return
@@ -330,7 +334,7 @@ class VllmInstanceService(InstanceService):
                 self.decode_rate = tokens / max(now - progress.last, 1e-6)
         progress.last = now
         for token in output.outputs[0].token_ids if output.outputs else ():
-            self._on_event(session, "token", token)
+            self._on_token(session, token)
         self._announce(session, progress)
         if output.finished:
             transfer = output.kv_transfer_params or {}
