@@ -41,11 +41,13 @@ def principals(holder: str) -> str:
 
 
 class Env:
-    def __init__(self, holder: str, clock: ManualClock, host_blocks: int = 2) -> None:
+    def __init__(
+        self, holder: str, clock: ManualClock, host_blocks: int = 2, max_ttl_ms: int = 600_000
+    ) -> None:
         self.holder = holder
         self.principals = Principals.parse(principals(holder))
         self.index_service = IndexService(
-            MemoryReplicaStore(clock, IndexLimits(max_ttl_ms=600_000, max_records=1000))
+            MemoryReplicaStore(clock, IndexLimits(max_ttl_ms=max_ttl_ms, max_records=1000))
         )
         index_app = create_index_app(self.index_service, self.principals)
         self.index_transport = httpx.ASGITransport(app=index_app)
@@ -82,9 +84,9 @@ class Env:
 
 
 @contextlib.asynccontextmanager
-async def holder_env(host_blocks: int = 2) -> AsyncIterator[Env]:
+async def holder_env(host_blocks: int = 2, max_ttl_ms: int = 600_000) -> AsyncIterator[Env]:
     port = free_port()
-    e = Env(f"http://127.0.0.1:{port}/kvsp/", ManualClock(), host_blocks)
+    e = Env(f"http://127.0.0.1:{port}/kvsp/", ManualClock(), host_blocks, max_ttl_ms)
     async with serving(e.app, port):
         try:
             yield e

@@ -24,7 +24,8 @@ from kvsp.core.problems import (
 )
 from kvsp.core.records import LeaseRequest, ReplicaRecord
 from tests.holder.env import Env, holder_env
-from tests.holder.factories import COMPAT, SCOPE, block_id, container
+from kvsp.web.server import InflightOctets
+from tests.holder.factories import COMPAT, OTHER_SCOPE, SCOPE, block_id, container
 from tests.servers import serving
 
 pytestmark = pytest.mark.anyio
@@ -356,3 +357,75 @@ async def test_the_index_hears_of_every_store_and_eviction(env: Env) -> None:
     assert 'kvsp_holder_bytes{tier="host"} 1024.0' in text
     assert 'kvsp_holder_evictions_total{tier="host"} 1.0' in text
     assert "kvsp_holder_index_pending 0.0" in text
+
+
+async def test_a_put_is_refused_before_its_body_when_the_scope_or_header_is_wrong(
+    env: Env,
+) -> None:
+    """The scope is checked, and the container's header read, from the first octets: a
+    wrong-tenant or many-layer PUT is answered while most of its body is still unsent."""
+    host, port = env.holder.split("//")[1].split("/")[0].split(":")
+
+    async def answer_to(target: str, first_octets: bytes, declared: int) -> bytes:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            f"PUT /kvsp/{target} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer c1\r\n"
+            f"content-type: application/kvsp-block\r\nif-none-match: *\r\n"
+            f"content-length: {declared}\r\n\r\n".encode()
+            + first_octets
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        writer.close()
+        return head
+
+    head = await answer_to(path(1, OTHER_SCOPE), container(1).tobytes()[:64], 200 << 20)
+    assert head.startswith(b"HTTP/1.1 403 ")
+    many = Container.build(0, 1, [(b"k", b"v")] * 2000).tobytes()
+    head = await answer_to(path(2), many[: 64 * 1024], len(many))
+    assert head.startswith(b"HTTP/1.1 400 ")
+    assert await env.lookup(1, 2) == 0
+
+
+async def test_puts_beyond_the_octets_in_flight_are_503_with_retry_after(env: Env) -> None:
+    inflight = next(  # the route's budget, shrunk for the test
+        c.cell_contents
+        for route in env.app.app.routes  # type: ignore[attr-defined]
+        if getattr(route, "path", "").endswith("{block_key}") and "PUT" in (route.methods or ())
+        for c in (route.endpoint.__closure__ or ())
+        if isinstance(c.cell_contents, InflightOctets)
+    )
+    inflight.limit = 1000
+    size = len(container(1).tobytes())
+    with inflight.reserve(1000 - size + 1):
+        busy = await put_raw(env, 1)
+    assert busy.status_code == 503
+    assert busy.headers["retry-after"] == "1"
+    assert (await put_raw(env, 1)).status_code == 201  # once the others are done
+    assert inflight.held == 0
+
+
+async def test_an_entry_the_index_refuses_is_dropped_and_the_others_published(env: Env) -> None:
+    env.index_service.max_layers = 3  # container(n) has 4 layers; this one has 2
+    await put_raw(env, 1)
+    small = Container.build(0, 4, [(b"k" * 64, b"v" * 64)] * 2).tobytes()
+    answer = await env.http.put(
+        path(2),
+        content=small,
+        headers={"authorization": "Bearer c1", "content-type": "application/kvsp-block",
+                 "if-none-match": "*"},
+    )  # fmt: skip
+    assert answer.status_code == 201
+    await env.settle()
+    assert await env.lookup(2) == 1  # published despite block 1 in the same batch
+    assert await env.lookup(1) == 0
+    assert not env.service._pending
+    text = (await env.http.get("metrics")).text
+    assert 'kvsp_holder_index_refused_total{type="kvsp-invalid-record"} 1.0' in text
+
+
+async def test_records_are_refreshed_at_half_the_ttl_the_index_granted() -> None:
+    async with holder_env(max_ttl_ms=10_000) as env:
+        await put_raw(env, 1)
+        await env.settle()
+        assert env.service.store.refresh_after_ms == 5_000  # not half of its own 60 s
