@@ -23,8 +23,8 @@ from kvsp.core.problems import (
     ServiceUnavailable,
 )
 from kvsp.core.records import LeaseRequest, ReplicaRecord
-from tests.holder.env import Env, holder_env
 from kvsp.web.server import InflightOctets
+from tests.holder.env import Env, holder_env
 from tests.holder.factories import COMPAT, OTHER_SCOPE, SCOPE, block_id, container
 from tests.servers import serving
 
