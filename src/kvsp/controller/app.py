@@ -12,10 +12,9 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from kvsp.auth import Principals
-from kvsp.controller.frontend import FrontEnd, frontend_routes
+from kvsp.controller.frontend import FrontEnd, frontend_ops
 from kvsp.controller.service import ControllerService
 from kvsp.core.records import (
     MAX_KEYS_PER_REQUEST,
@@ -27,9 +26,11 @@ from kvsp.core.records import (
     Sampler,
     SessionCheckpoint,
     ShardMap,
+    StateAnswer,
     TokenId,
     Uuid,
 )
+from kvsp.web.openapi import HEALTH, Op, obj, routes_of
 from kvsp.web.server import (
     install_problem_handlers,
     json_response,
@@ -205,24 +206,46 @@ def create_app(
         return Response(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
 
     base = "/kvsp/"
+    pc = "role controller"
+    operator = "role controller or client"
+    outcomes = obj(["outcomes"], outcomes={"type": "array"})
+    ops = [
+        Op("PUT", "status", status, "an instance's status (KVSP 6.3)",
+           "role instance, with the instance in its holders", InstanceStatusRecord,
+           {200: StateAnswer}),
+        Op("PUT", "sessions/{session}/checkpoint", checkpoint, "a session checkpoint (KVSP 6.8)",
+           "role instance, in the session's scope", SessionCheckpoint,
+           {200: obj(["recorded", "acknowledged", "epoch"], recorded={"type": "boolean"},
+                     acknowledged={"type": "integer"}, epoch={"type": "integer"})}),
+        Op("GET", "sessions/{session}", session, "a session's state", operator,
+           answers={200: {"type": "object"}}),
+        Op("DELETE", "sessions/{session}", end_session, "a session is over", operator,
+           answers={200: outcomes}),
+        Op("POST", "sessions/{session}/turns", turn_ended, "a turn is over (KvHints)", operator,
+           TurnEnd, {200: outcomes}),
+        Op("GET", "instances", instances, "every instance as the controller sees it", operator,
+           answers={200: obj(["instances"], instances={"type": "array"})}),
+        Op("PUT", "instances/state", instance_state, "wake or drain an instance", pc,
+           InstanceStateChange, {200: obj(["instance", "state"], instance={"type": "string"},
+                                          state={"type": "string"})}),
+        Op("POST", "place", place, "place a request (KVSP 6.4)", operator, PlaceRequest,
+           {200: {"type": "object"}}),
+        Op("PUT", "decisions/{decision}/ttft", ttft, "a placed request's measured TTFT",
+           operator, TtftReport, {200: obj(["predicted_us", "measured_us"],
+                                           predicted_us={"type": "number"},
+                                           measured_us={"type": "number"})}),
+        Op("POST", "shards", register_map, "register a shard map (KVSP 6.9)", pc, ShardMap,
+           {201: obj(["map", "version"], map={"type": "string"}, version={"type": "integer"})}),
+        Op("GET", "shards/{map}", get_map, "a shard map", operator,
+           answers={200: {"type": "object"}}),
+        Op("POST", "shards/{map}/reshard", reshard, "reshard a map (KVSP 6.9)", pc,
+           ReshardRequest, {200: {"type": "object"}}),
+        Op("GET", "healthz", healthz, "liveness", "anyone", answers={200: HEALTH}),
+        Op("GET", "metrics", metrics, "Prometheus text", "anyone", answers={200: "text/plain"}),
+        *([] if frontend is None else frontend_ops(frontend, _BODY_OCTETS)),
+    ]  # fmt: skip
     app = Starlette(
-        routes=[
-            Route(base + "status", status, methods=["PUT"]),
-            Route(base + "sessions/{session}/checkpoint", checkpoint, methods=["PUT"]),
-            Route(base + "sessions/{session}", session, methods=["GET"]),
-            Route(base + "sessions/{session}", end_session, methods=["DELETE"]),
-            Route(base + "sessions/{session}/turns", turn_ended, methods=["POST"]),
-            Route(base + "instances", instances, methods=["GET"]),
-            Route(base + "instances/state", instance_state, methods=["PUT"]),
-            Route(base + "place", place, methods=["POST"]),
-            Route(base + "decisions/{decision}/ttft", ttft, methods=["PUT"]),
-            Route(base + "shards", register_map, methods=["POST"]),
-            Route(base + "shards/{map}", get_map, methods=["GET"]),
-            Route(base + "shards/{map}/reshard", reshard, methods=["POST"]),
-            Route(base + "healthz", healthz, methods=["GET"]),
-            Route(base + "metrics", metrics, methods=["GET"]),
-            *([] if frontend is None else frontend_routes(frontend, base, _BODY_OCTETS)),
-        ],
+        routes=routes_of(base, "kvsp Placement Controller", ops),
         lifespan=lifespan_of(service.start, close),
     )
     install_problem_handlers(app, log, lambda slug: service.rejected.labels(slug).inc())

@@ -38,7 +38,6 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
 
 from kvsp.auth import Principal, Role
 from kvsp.controller.service import ControllerService, Placement
@@ -48,6 +47,7 @@ from kvsp.core.records import Sampler
 from kvsp.core.urls import canonical_url
 from kvsp.instance.model import MODEL_NAME, ModelBounds, ModelFiles
 from kvsp.web.client import KEEPALIVE_EXPIRY_S, auth_headers
+from kvsp.web.openapi import Op
 from kvsp.web.server import header_value, read_json_body
 
 __all__ = [
@@ -55,7 +55,7 @@ __all__ = [
     "FrontEnd",
     "Tokenizer",
     "Turn",
-    "frontend_routes",
+    "frontend_ops",
     "load_frontend",
 ]
 
@@ -492,8 +492,8 @@ async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
     return task.result()
 
 
-def frontend_routes(frontend: FrontEnd, base: str, body_octets: int) -> list[Route]:
-    """``v1/completions``, ``v1/chat/completions`` and ``v1/models`` under ``base``."""
+def frontend_ops(frontend: FrontEnd, body_octets: int) -> list[Op]:
+    """``v1/completions``, ``v1/chat/completions`` and ``v1/models``."""
 
     def handler(chat: bool) -> Any:
         async def complete(request: Request) -> Response:
@@ -514,8 +514,12 @@ def frontend_routes(frontend: FrontEnd, base: str, body_octets: int) -> list[Rou
                                            "owned_by": "kvsp"}]}  # fmt: skip
         return Response(json.dumps(doc).encode(), media_type="application/json")
 
+    tenant = "a tenant's API key (Authorization: Bearer)"
+    answer = {"type": "object"}
     return [
-        Route(base + "v1/completions", handler(False), methods=["POST"]),
-        Route(base + "v1/chat/completions", handler(True), methods=["POST"]),
-        Route(base + "v1/models", models, methods=["GET"]),
-    ]
+        Op("POST", "v1/completions", handler(False), "an OpenAI completion", tenant,
+           CompletionRequest, {200: answer}),
+        Op("POST", "v1/chat/completions", handler(True), "an OpenAI chat completion", tenant,
+           CompletionRequest, {200: answer}),
+        Op("GET", "v1/models", models, "the model served", "anyone", answers={200: answer}),
+    ]  # fmt: skip

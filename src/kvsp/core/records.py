@@ -45,6 +45,9 @@ from kvsp.core.validation import parse_model
 __all__ = [
     "MAX_KEYS_PER_REQUEST",
     "MOQT_NAMESPACE_FIELDS",
+    "U16",
+    "U32",
+    "U63",
     "FetchRange",
     "Hex16",
     "Hex32",

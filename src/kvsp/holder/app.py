@@ -18,17 +18,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kvsp.auth import Principals
 from kvsp.core.digests import repr_digest
 from kvsp.core.ids import parse_block_key, parse_compat_id, parse_scope_id
 from kvsp.core.problems import InvalidInput, PreconditionRequired
-from kvsp.core.records import LeaseRenewal, LeaseRequest
+from kvsp.core.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord
 from kvsp.core.registries import BLOCK_MEDIA_TYPE, CODECS
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.service import HolderService
+from kvsp.web.openapi import HEALTH, Op, routes_of
 from kvsp.web.server import (
     AsgiEndpoint,
     ExactRoutes,
@@ -43,7 +43,7 @@ from kvsp.web.server import (
     routed_endpoints,
 )
 
-__all__ = ["BLOCK_GET", "block_routes", "create_app", "parse_block_query"]
+__all__ = ["BLOCK_GET", "block_ops", "create_app", "parse_block_query"]
 
 log = logging.getLogger("kvsp.holder")
 
@@ -87,7 +87,7 @@ def parse_block_query(query: bytes) -> tuple[int, int] | None:
     return int(match[1]), int(match[2])
 
 
-def block_routes(service: HolderService, principals: Principals) -> list[Route]:
+def block_ops(service: HolderService, principals: Principals) -> list[Op]:
     """The block and lease routes of a holder (an inference instance mounts them too)."""
     inflight = InflightOctets(service.config.max_inflight_octets)
 
@@ -149,14 +149,22 @@ def block_routes(service: HolderService, principals: Principals) -> list[Route]:
         await service.release_lease(principal, request.path_params["lease"])
         return Response(status_code=204)
 
-    lease = BASE + "leases/{lease}"
+    lease = "leases/{lease}"
+    block = BLOCK.removeprefix(BASE)
+    layers = {"type": "string", "pattern": "^[0-9]{1,5}-[0-9]{1,5}$"}
+    scoped = "a block role (client, holder, instance, controller) with the block's scope"
     return [
-        Route(BLOCK, AsgiEndpoint(get_block), methods=["GET"]),
-        Route(BLOCK, put_block, methods=["PUT"]),
-        Route(BASE + "leases", grant_lease, methods=["POST"]),
-        Route(lease, renew_lease, methods=["PUT"]),
-        Route(lease, release_lease, methods=["DELETE"]),
-    ]
+        Op("GET", block, AsgiEndpoint(get_block), "a block or a layer range (KVSP 6.7)", scoped,
+           answers={200: BLOCK_MEDIA_TYPE}, query={"layers": layers, "codec": {"type": "string"}}),
+        Op("PUT", block, put_block, "store a block once (KVSP 6.7; If-None-Match: *)", scoped,
+           BLOCK_MEDIA_TYPE, {201: ReplicaRecord}),
+        Op("POST", "leases", grant_lease, "lease blocks (KVSP 6.6)", scoped, LeaseRequest,
+           {201: LeaseGrant}),
+        Op("PUT", lease, renew_lease, "renew a lease", "the lease's holder", LeaseRenewal,
+           {200: LeaseGrant}),
+        Op("DELETE", lease, release_lease, "release a lease", "the lease's holder",
+           answers={204: None}),
+    ]  # fmt: skip
 
 
 def create_app(service: HolderService, principals: Principals) -> ExactRoutes:
@@ -167,12 +175,13 @@ def create_app(service: HolderService, principals: Principals) -> ExactRoutes:
         await service.refresh_metrics()
         return Response(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
 
+    ops = [
+        *block_ops(service, principals),
+        Op("GET", "healthz", healthz, "liveness", "anyone", answers={200: HEALTH}),
+        Op("GET", "metrics", metrics, "Prometheus text", "anyone", answers={200: "text/plain"}),
+    ]
     app = Starlette(
-        routes=[
-            *block_routes(service, principals),
-            Route(BASE + "healthz", healthz, methods=["GET"]),
-            Route(BASE + "metrics", metrics, methods=["GET"]),
-        ],
+        routes=routes_of(BASE, "kvsp holder", ops),
         lifespan=lifespan_of(service.start, service.close),
     )
     responder = install_problem_handlers(app, log, lambda slug: service.rejected.labels(slug).inc())

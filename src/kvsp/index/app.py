@@ -15,7 +15,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kvsp.auth import Principals
@@ -23,6 +22,8 @@ from kvsp.core.ids import parse_block_key, parse_compat_id, parse_scope_id
 from kvsp.core.problems import NotFound, PayloadTooLarge, RecordError
 from kvsp.core.records import (
     InstanceStatusRecord,
+    LookupRequest,
+    LookupResponse,
     ReplicaBatch,
     ReplicaRecord,
     ReplicaRef,
@@ -30,6 +31,7 @@ from kvsp.core.records import (
 from kvsp.index.queries import decode_lookup
 from kvsp.index.service import IndexService
 from kvsp.index.state import check_path
+from kvsp.web.openapi import Op, obj, routes_of
 from kvsp.web.server import (
     AsgiEndpoint,
     ExactRoutes,
@@ -62,6 +64,17 @@ def _block_path(request: Request) -> tuple[str, str, str]:
     parse_scope_id(scope)
     parse_block_key(block_key)
     return compat, scope, block_key
+
+
+_PUBLISHED = obj(["created", "ttl_ms"], created={"type": "boolean"}, ttl_ms={"type": "integer"})
+_BATCH_ANSWER = obj(
+    ["put", "delete"],
+    put={"type": "array", "items": _PUBLISHED},
+    delete={
+        "type": "array",
+        "items": obj(["withdrawn"], withdrawn={"type": "boolean"}),
+    },
+)
 
 
 def create_app(
@@ -123,17 +136,76 @@ def create_app(
         await service.refresh_gauges()
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    block = BASE + "replicas/{compat}/{scope}/{block_key}"
+    block = "replicas/{compat}/{scope}/{block_key}"
+    publisher = "role holder (or instance) with the record's holder in its holders, in its scope"
     app = Starlette(
-        routes=[
-            Route(block, publish, methods=["PUT"]),
-            Route(block, withdraw, methods=["DELETE"]),
-            Route(BASE + "replicas", batch, methods=["POST"]),
-            Route(BASE + "lookup", AsgiEndpoint(lookup), methods=["POST"]),
-            Route(BASE + "status", status, methods=["PUT"]),
-            Route(BASE + "healthz", healthz, methods=["GET"]),
-            Route(BASE + "metrics", metrics, methods=["GET"]),
-        ],
+        routes=routes_of(
+            BASE,
+            "kvsp Index Service",
+            [
+                Op(
+                    "PUT",
+                    block,
+                    publish,
+                    "publish a Replica Record (KVSP 6.1)",
+                    publisher,
+                    ReplicaRecord,
+                    {200: _PUBLISHED, 201: _PUBLISHED},
+                ),
+                Op(
+                    "DELETE",
+                    block,
+                    withdraw,
+                    "withdraw a replica (KVSP 6.1)",
+                    publisher,
+                    answers={204: None},
+                    query={"holder": {"type": "string"}},
+                ),
+                Op(
+                    "POST",
+                    "replicas",
+                    batch,
+                    "publish and withdraw many (extension)",
+                    publisher,
+                    ReplicaBatch,
+                    {200: _BATCH_ANSWER},
+                ),
+                Op(
+                    "POST",
+                    "lookup",
+                    AsgiEndpoint(lookup),
+                    "prefix lookup (KVSP 6.2)",
+                    "any principal with the scope",
+                    LookupRequest,
+                    {200: LookupResponse},
+                ),
+                Op(
+                    "PUT",
+                    "status",
+                    status,
+                    "an instance's status, for estimates (extension)",
+                    "role instance or controller, with the instance in its holders",
+                    InstanceStatusRecord,
+                    {200: obj(["accepted"], accepted={"type": "boolean"})},
+                ),
+                Op(
+                    "GET",
+                    "healthz",
+                    healthz,
+                    "liveness and the store's",
+                    "anyone",
+                    answers={200: obj(["status"], status={"type": "string"})},
+                ),
+                Op(
+                    "GET",
+                    "metrics",
+                    metrics,
+                    "Prometheus text",
+                    "anyone",
+                    answers={200: "text/plain"},
+                ),
+            ],
+        ),
         lifespan=lifespan_of(service.store.start, service.store.close),
     )
     responder = install_problem_handlers(

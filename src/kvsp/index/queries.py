@@ -83,7 +83,7 @@ def _packed(block_keys: msgspec.Raw) -> bytes:
     if packed is None:  # not a plain array of keys: decoded the slow way, which says why
         keys = _KEY_LIST.decode(block_keys)
         check_keys(keys)
-        return b"".join(map(bytes.fromhex, keys))
+        packed = b"".join(map(bytes.fromhex, keys))
     if len(packed) > 32 * MAX_KEYS_PER_REQUEST:
         raise ValueError(f"a lookup names at most {MAX_KEYS_PER_REQUEST} block keys")
     if len({packed[i : i + 32] for i in range(0, len(packed), 32)}) * 32 != len(packed):

@@ -15,25 +15,30 @@ from pydantic import Field, StrictInt, StrictStr
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
 
 from kvsp.auth import Principals
 from kvsp.core.digests import repr_digest
 from kvsp.core.problems import InvalidInput
 from kvsp.core.records import (
+    U32,
+    U63,
+    InstanceStatusRecord,
     PrefetchDirective,
+    PrefetchStatus,
     Record,
     Sampler,
     SessionCheckpoint,
+    StateAnswer,
     StateChange,
     TokenId,
     TokenRange,
     Uuid,
 )
 from kvsp.core.registries import BLOCK_MEDIA_TYPE
-from kvsp.holder.app import BLOCK_GET, block_routes
+from kvsp.holder.app import BLOCK_GET, block_ops
 from kvsp.instance.hints import KvHints
 from kvsp.instance.service import InstanceService, TokenEvent
+from kvsp.web.openapi import Op, obj, routes_of
 from kvsp.web.server import (
     ExactRoutes,
     install_problem_handlers,
@@ -54,7 +59,7 @@ _RANGE = re.compile(r"([0-9]{1,9})-([0-9]{1,9})")
 
 
 class ShardLoad(Record):
-    version: Annotated[StrictInt, Field(ge=0)]
+    version: U63
     tokens: Annotated[tuple[TokenId, ...], Field(min_length=1, max_length=1 << 17)]
     ranges: Annotated[tuple[TokenRange, ...], Field(min_length=1, max_length=64)]
 
@@ -65,7 +70,7 @@ class GenerateRequest(Record):
     sampler: Sampler = Sampler(method="greedy", deterministic=True)
     max_tokens: Annotated[StrictInt, Field(ge=1, le=1 << 16)] | None = None
     session: Uuid | None = None
-    epoch: Annotated[StrictInt, Field(ge=0)] = 0
+    epoch: U32 = 0
     #: KvHints to execute once the request is done (controllers only)
     kv_hints: KvHints | None = None
 
@@ -241,26 +246,47 @@ def create_app(service: InstanceService, principals: Principals) -> ExactRoutes:
         await service.holder.refresh_metrics()
         return Response(generate_latest(service.holder.registry), media_type=CONTENT_TYPE_LATEST)
 
+    controller = "role controller"
+    session_answer = obj(
+        ["session", "epoch"], session={"type": "string"}, epoch={"type": "integer"}
+    )
+    ops = [
+        *block_ops(service.holder, principals),
+        Op("POST", "generate", generate, "generate for a prompt (a stream of tokens)",
+           "role controller or client", GenerateRequest, {200: NDJSON}),
+        Op("GET", "sessions/{session}/tokens", tokens, "a session's tokens from an index",
+           query={"from": {"type": "string"}}, answers={200: NDJSON}),
+        Op("POST", "sessions/{session}/resume", resume, "resume a session (KVSP 6.8)",
+           controller, SessionCheckpoint, {200: session_answer}),
+        Op("POST", "prefetch", prefetch, "a prefetch directive (KVSP 6.5)", controller,
+           PrefetchDirective, {202: obj(["accepted"], accepted={"type": "boolean"})}),
+        Op("GET", "prefetch/{directive}", prefetch_status, "a directive's progress",
+           answers={200: PrefetchStatus}),
+        Op("PUT", "state", state, "wake or drain (KVSP 6.3)", controller, StateChange,
+           {200: StateAnswer}),
+        Op("POST", "reshard", reshard, "a reshard plan, commit or abort (KVSP 6.9)", controller,
+           {"type": "object"}, {200: obj(["ok"], ok={"type": "boolean"})}),
+        Op("GET", "shards/{map}", shard, "what this instance holds of a shard map",
+           answers={200: {"type": "object"}}),
+        Op("POST", "shards/{map}/load", load_shard, "compute and hold shard ranges", controller,
+           ShardLoad, {200: obj(["map", "version"], map={"type": "string"},
+                                version={"type": "integer"})}),
+        Op("GET", "shards/{map}/kv", shard_kv, "the KV of a token range",
+           query={"tokens": {"type": "string"}}, answers={200: BLOCK_MEDIA_TYPE}),
+        Op("POST", "hints", hints, "KvHints (session-aware KV)", controller, KvHints,
+           {200: {"type": "object"}}),
+        Op("DELETE", "sessions/{session}", end_session, "end a session here", controller,
+           answers={200: obj(["pins_released"], pins_released={"type": "integer"})}),
+        Op("GET", "events", events, "KV events after a sequence number",
+           query={"after": {"type": "string"}, "limit": {"type": "string"},
+                  "wait_ms": {"type": "string"}}, answers={200: {"type": "object"}}),
+        Op("GET", "status", status, "this instance's status record",
+           answers={200: InstanceStatusRecord}),
+        Op("GET", "healthz", healthz, "liveness", "anyone", answers={200: {"type": "object"}}),
+        Op("GET", "metrics", metrics, "Prometheus text", "anyone", answers={200: "text/plain"}),
+    ]  # fmt: skip
     app = Starlette(
-        routes=[
-            *block_routes(service.holder, principals),
-            Route(base + "generate", generate, methods=["POST"]),
-            Route(base + "sessions/{session}/tokens", tokens, methods=["GET"]),
-            Route(base + "sessions/{session}/resume", resume, methods=["POST"]),
-            Route(base + "prefetch", prefetch, methods=["POST"]),
-            Route(base + "prefetch/{directive}", prefetch_status, methods=["GET"]),
-            Route(base + "state", state, methods=["PUT"]),
-            Route(base + "reshard", reshard, methods=["POST"]),
-            Route(base + "shards/{map}", shard, methods=["GET"]),
-            Route(base + "shards/{map}/load", load_shard, methods=["POST"]),
-            Route(base + "shards/{map}/kv", shard_kv, methods=["GET"]),
-            Route(base + "hints", hints, methods=["POST"]),
-            Route(base + "sessions/{session}", end_session, methods=["DELETE"]),
-            Route(base + "events", events, methods=["GET"]),
-            Route(base + "status", status, methods=["GET"]),
-            Route(base + "healthz", healthz, methods=["GET"]),
-            Route(base + "metrics", metrics, methods=["GET"]),
-        ],
+        routes=routes_of(base, "kvsp inference instance", ops),
         lifespan=lifespan_of(service.start, service.close),
     )
     responder = install_problem_handlers(
