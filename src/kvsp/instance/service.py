@@ -257,6 +257,8 @@ class InstanceService:
         self.files = files or installed(config.model_home, config.block_tokens)
         self.block_tokens = self.files.descriptor.block_tokens
         self.compat_id = self.files.compat_id.hex()
+        #: what a prompt may hold (the engine may allow a shorter context than the model)
+        self.bounds = self.files.bounds
         self.epoch = int(time.time() * 1000)
         self.state = InstanceState.ACTIVE
         #: where the instance's own blocks go (None: whole blocks, G1 first)
@@ -574,7 +576,7 @@ class InstanceService:
         if not tokens:
             raise InvalidInput("a prompt needs at least one token")
         cap = min(max_tokens or self.config.max_tokens, self.config.max_tokens)
-        self.files.bounds.check(tokens, cap)
+        self.bounds.check(tokens, cap)
         tenant = self.config.tenants.get(tenant_name)
         b = self.block_tokens
         cut = (len(tokens) - 1) // b

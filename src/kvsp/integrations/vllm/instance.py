@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from kvsp.core.problems import NotFound, ServiceUnavailable
 from kvsp.core.records import Sampler
 from kvsp.holder.store import TierData
-from kvsp.instance.model import ModelFiles
+from kvsp.instance.model import ModelBounds, ModelFiles
 from kvsp.instance.service import InstanceConfig, InstanceService, Session
 from kvsp.integrations.vllm.engine import vllm_environment
 
@@ -177,6 +177,10 @@ class VllmInstanceService(InstanceService):
     ) -> None:
         self.options = options
         super().__init__(config, files)
+        model = self.files.bounds
+        self.bounds = ModelBounds(
+            min(model.context_tokens, options.max_model_len), model.vocab_size
+        )
 
     def _start_engine(self) -> tuple[int, TierData] | None:
         """vLLM's engine with ``KVSPConnector``; the embedded store keeps only G2 (vLLM's
