@@ -65,6 +65,8 @@ def _fuzz(service: list[str], examples: int, timeout_s: int) -> str:
     )
     report = done.stdout + done.stderr
     assert done.returncode == 0, report[-6000:]
+    generated = [line.strip() for line in report.splitlines() if "generated," in line]
+    print(f"schemathesis, kvsp {service[0]}: {generated}")
     return report
 
 
