@@ -73,6 +73,23 @@ OPERATOR_ROLES = (Role.CONTROLLER, Role.CLIENT)
 MAX_PREDICTIONS = 65_536
 
 
+#: Block Keys derived on the event loop at most (about 2 us each); more go to a thread
+KEYS_ON_LOOP = 64
+
+
+async def _block_keys(
+    chain: BlockKeyChain, tokens: Sequence[int], block_tokens: int
+) -> tuple[str, ...]:
+    """The prompt's Block Keys in hex; a long prompt's off the event loop."""
+
+    def derive() -> tuple[str, ...]:
+        return tuple(k.hex() for k in chain.extend(list(tokens)))
+
+    if len(tokens) <= KEYS_ON_LOOP * block_tokens:
+        return derive()
+    return await asyncio.to_thread(derive)
+
+
 class Launcher(Protocol):
     async def launch(self) -> str | None:
         """Start an instance; returns its base URL (it reports its status once up)."""
@@ -325,7 +342,7 @@ class ControllerService:
         tenant.check_compat(compat_id)
         block_tokens = self.config.block_tokens
         chain = BlockKeyChain(tenant.scope_key, parse_compat_id(compat_id), block_tokens)
-        keys = tuple(k.hex() for k in chain.extend(list(tokens)))
+        keys = await _block_keys(chain, tokens, block_tokens)
         request = PlacementRequest(tenant.scope_id, compat_id, keys, len(tokens), block_tokens)
         first = None
         if session is not None:
