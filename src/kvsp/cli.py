@@ -338,6 +338,7 @@ def holder_serve_command(
     max_block_bytes: Annotated[str, typer.Option("--max-block-bytes")] = "256M",
     max_layers: Annotated[int, typer.Option("--max-layers", min=1, max=65_535)] = 1024,
     max_inflight_bytes: Annotated[str, typer.Option("--max-inflight-bytes")] = "1G",
+    block_overhead_bytes: Annotated[str, typer.Option("--block-overhead-bytes")] = "2K",
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
     http_limit: HttpLimits = None,
 ) -> None:
@@ -358,6 +359,7 @@ def holder_serve_command(
         max_block_octets=parse_octets(max_block_bytes),
         max_layers=max_layers,
         max_inflight_octets=parse_octets(max_inflight_bytes),
+        block_overhead_octets=parse_octets(block_overhead_bytes),
         index_url=index,
         index_token=_read_token(index_token_file),
     )

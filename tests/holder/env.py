@@ -57,6 +57,7 @@ class Env:
                 host_bytes=host_blocks * BLOCK_DATA,
                 leases=LeaseLimits(quota_octets=2_000, max_ttl_ms=30_000),
                 record_ttl_ms=60_000,
+                block_overhead_octets=0,  # tiers of exactly two blocks
             ),
             clock,
             IndexClient(INDEX, "holder", transport=self.index_transport),

@@ -23,6 +23,7 @@ from kvsp.core.problems import (
     ServiceUnavailable,
 )
 from kvsp.core.records import LeaseRequest, ReplicaRecord
+from kvsp.holder.service import HolderConfig, HolderService
 from kvsp.web.server import InflightOctets
 from tests.holder.env import Env, holder_env
 from tests.holder.factories import COMPAT, OTHER_SCOPE, SCOPE, block_id, container
@@ -429,3 +430,15 @@ async def test_records_are_refreshed_at_half_the_ttl_the_index_granted() -> None
         await put_raw(env, 1)
         await env.settle()
         assert env.service.store.refresh_after_ms == 5_000  # not half of its own 60 s
+
+
+async def test_tiny_blocks_fill_the_host_tier_by_their_number() -> None:
+    """Each block counts its metadata (2 KiB by default) beside its octets: a flood of
+    two-octet blocks evicts by count instead of growing the holder's memory."""
+    service = HolderService(HolderConfig(url="http://127.0.0.1:9/kvsp/", host_bytes=64 << 10))
+    tiny = Container.build(0, 1, [(b"k", b"v")]).tobytes()
+    for n in range(200):
+        await service.store_block(block_id(n), tiny)
+    assert len(service.store) <= 32  # 64 KiB / (2 KiB + 2 octets)
+    assert service.store.used()["host"] <= 64 << 10
+    await service.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsp.core.clock import ManualClock
@@ -44,16 +44,27 @@ class CorruptingTier(MemoryTier):
 
 
 def make(
-    host_blocks: int = 2, disk_blocks: int = 2, clock: ManualClock | None = None
+    host_blocks: int = 2,
+    disk_blocks: int = 2,
+    clock: ManualClock | None = None,
+    overhead: int = 0,
 ) -> tuple[BlockStore, LeaseTable, ManualClock]:
     clock = clock or ManualClock()
     leases = LeaseTable(clock, LeaseLimits(quota_octets=1 << 20, max_ttl_ms=10_000))
-    tiers = [TierSpec("host", host_blocks * BLOCK)]
+    tiers = [TierSpec("host", host_blocks * (BLOCK + overhead))]
     data: dict[Tier, MemoryTier] = {"host": MemoryTier()}
     if disk_blocks:
-        tiers.append(TierSpec("disk", disk_blocks * BLOCK, 16_000))
+        tiers.append(TierSpec("disk", disk_blocks * (BLOCK + overhead), 16_000))
         data["disk"] = CorruptingTier()
-    store = BlockStore(tiers, data, leases, clock, HOLDER, record_ttl_ms=10_000)  # type: ignore[arg-type]
+    store = BlockStore(
+        tiers,
+        data,  # type: ignore[arg-type]
+        leases,
+        clock,
+        HOLDER,
+        record_ttl_ms=10_000,
+        block_overhead=overhead,
+    )
     return store, leases, clock
 
 
@@ -294,3 +305,38 @@ def test_leased_blocks_survive_any_pressure_and_capacity_holds(
         withdrawn = [e for e in store.take_effects() if isinstance(e, Withdraw)]
         for w in withdrawn:
             assert (w.ref.compat_id, w.ref.scope_id, w.ref.block_key) not in store
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["put", "get", "demote", "promote", "drop"]), st.integers(0, 9)),
+        max_size=60,
+    )
+)
+def test_each_block_is_charged_its_metadata_once_wherever_it_moves(
+    ops: list[tuple[str, int]],
+) -> None:
+    """With a per-block overhead, the tiers' used octets are always the blocks' data plus one
+    overhead each, and never above capacity: many tiny blocks fill a tier by their count."""
+    overhead = 300
+    store, _, _ = make(host_blocks=3, disk_blocks=3, overhead=overhead)
+    for op, n in ops:
+        b = block_id(n)
+        with contextlib.suppress(AlreadyStored, CapacityExhausted, NotFound):
+            if op == "put":
+                put(store, n)
+            elif op == "get" and b in store:
+                store.get(b)
+            elif op == "demote" and b in store:
+                store.demote(b)
+            elif op == "promote" and b in store:
+                store.promote(b, n % 4)
+            elif op == "drop":
+                store.drop(b)
+        used = store.used()
+        held = [block_id(i) for i in range(10) if block_id(i) in store]
+        assert used["host"] <= 3 * (BLOCK + overhead)
+        assert used["disk"] <= 3 * (BLOCK + overhead)
+        data = sum(store.meta(x).size - store.meta(x).header(0, 3).header_octets for x in held)
+        assert sum(used.values()) == data + overhead * len(held)

@@ -87,6 +87,9 @@ class HolderConfig:
     max_block_octets: int = MAX_BLOCK_OCTETS
     #: layers a stored container may have (the IS refuses records with more)
     max_layers: int = 1024
+    #: octets each block counts beside its data (its metadata's memory, measured at about
+    #: 2.1 KB a block), so many tiny blocks fill a tier by their number
+    block_overhead_octets: int = 2048
     #: octets of block PUT bodies being received at once; beyond it a PUT is 503 + Retry-After
     max_inflight_octets: int = 1 << 30
     index_url: str | None = None
@@ -139,7 +142,15 @@ class HolderService:
         self._disk = data.get("disk")
         self.leases = LeaseTable(self.clock, config.leases)
         protected: LeaseView = self.leases if in_use is None else Protected(self.leases, in_use)
-        self.store = BlockStore(specs, data, protected, self.clock, self.url, config.record_ttl_ms)
+        self.store = BlockStore(
+            specs,
+            data,
+            protected,
+            self.clock,
+            self.url,
+            config.record_ttl_ms,
+            config.block_overhead_octets,
+        )
         self.capacities = {s.name: s.capacity for s in specs}
         if index is None and config.index_url is not None:
             index = IndexClient(config.index_url, config.index_token)
