@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +101,86 @@ async def test_stopped_instance_and_index_rejoin_by_themselves(
 async def _post(url: str, body: dict[str, Any]) -> httpx.Response:
     async with httpx.AsyncClient(timeout=30) as http:
         return await http.post(url, json=body)
+
+
+async def _healthz_latency_during(pc: str, work: Any) -> tuple[Any, float]:
+    """``work``'s result, and the slowest ``GET healthz`` of the controller meanwhile."""
+    task = asyncio.ensure_future(work)
+    worst = 0.0
+    async with httpx.AsyncClient(timeout=30) as http:
+        while not task.done():
+            started = time.monotonic()
+            assert (await http.get(pc + "healthz")).status_code == 200
+            worst = max(worst, time.monotonic() - started)
+            await asyncio.sleep(0.02)
+    return await task, worst
+
+
+async def test_long_prompts_wait_their_turn_and_abandoned_ones_stop(
+    tmp_path: Path, model_files: ModelFiles
+) -> None:
+    """One tenant's long prompt does not hold another tenant's short request; a request whose
+    client went away stops generating; a 2 MiB chat body does not stall the controller."""
+    cluster = Cluster(tmp_path, model_files.compat_id.hex(), controller=True, frontend=True)
+    pc = cluster.pc
+    a = cluster.instance()
+    with running(cluster.index, cluster.holder, cluster.controller, a):
+        await eventually(lambda: active(pc), {a.base_url})
+        short = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+        started = time.monotonic()
+        assert (await _complete(pc, short)).status_code == 200
+        alone_s = time.monotonic() - started
+
+        long_prompt = {"prompt": list(range(100, 4100)), "max_tokens": 1, "temperature": 0}
+        long = asyncio.ensure_future(_complete(pc, long_prompt))
+        await asyncio.sleep(1.0)  # its prefill has begun
+        started = time.monotonic()
+        async with httpx.AsyncClient(timeout=120) as http:
+            other = await http.post(
+                pc + "v1/completions", json=short,
+                headers={"authorization": f"Bearer {KEYS['other']}"},
+            )  # fmt: skip
+        waited_s = time.monotonic() - started
+        long_answer = await long
+        long_s = time.monotonic() - started
+        assert other.status_code == 200, other.text
+        assert long_answer.status_code == 200, long_answer.text
+        print(f"short request: {alone_s:.2f} s alone, {waited_s:.2f} s beside a 4,000-token "
+              f"prompt of another tenant that took {long_s:.2f} s")  # fmt: skip
+        assert waited_s < long_s / 2  # served between the long prompt's chunks
+
+        # a client that goes away: the instance stops long before its 200 tokens
+        body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
+        async with (
+            httpx.AsyncClient(timeout=60) as http,
+            http.stream("POST", pc + "v1/completions", json=body, headers=_auth()) as r,
+        ):
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break  # the first token: then hang up
+        gone = time.monotonic()
+
+        async def running_sessions() -> int:
+            async with httpx.AsyncClient() as http:
+                return int((await http.get(a.base_url + "status")).json()["running"])
+
+        await eventually(running_sessions, 0)
+        print(f"generation stopped {time.monotonic() - gone:.2f} s after the client left")
+        assert time.monotonic() - gone < 5  # 200 tokens take about 13 s
+
+        chat = {"messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 1}
+        answer, worst_s = await _healthz_latency_during(pc, _complete(pc, {**chat, "model": "x"}))
+        assert answer.status_code in (400, 413), answer.text
+        print(f"2 MiB chat body: {answer.status_code}; worst healthz meanwhile {worst_s:.3f} s")
+        assert worst_s < 0.5
+
+        async with httpx.AsyncClient(timeout=30) as http:
+            unknown = await http.get(a.base_url + f"sessions/{uuid.uuid4()}/tokens")
+            assert unknown.status_code == 404
+            assert unknown.headers["content-type"] == "application/problem+json"
+            deep = await http.post(
+                a.base_url + "reshard", content=b'{"map":' + b"[" * 100_000,
+                headers={"content-type": "application/json"},
+            )  # fmt: skip
+            assert deep.status_code == 400
+    assert b"Traceback" not in a.log
