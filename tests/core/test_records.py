@@ -242,7 +242,9 @@ def _rejects(model: type[Any], document: dict[str, Any], message: str) -> None:
         ({"holder": "ftp://h1.example/"}, "http\\(s\\) URL or a moqt URI"),
         ({"holder": "https:///kvsp/"}, "host"),
         ({"size": "2097152"}, "size"),
+        ({"size": 10**30}, "size"),
         ({"ttl_ms": 0}, "ttl_ms"),
+        ({"ttl_ms": 1 << 32}, "ttl_ms"),
         ({"moqt_namespace": "AA"}, "only for moqt holders"),
         ({"holder": "moqt://relay.example/"}, "needs moqt_namespace"),
     ],
@@ -446,6 +448,8 @@ def test_reshard_plan_uses_the_from_alias() -> None:
         ({"layer_order": "descending"}, "layer_order"),
         ({"blocks": [{"block_key": HEX32, "sources": []}]}, "sources"),
         ({"deadline_ms": 0}, "deadline_ms"),
+        ({"deadline_ms": 10**19}, "deadline_ms"),
+        ({"lease_ms": 10**19}, "lease_ms"),
     ],
 )
 def test_prefetch_directive_rejections(changes: dict[str, Any], message: str) -> None:
@@ -463,6 +467,21 @@ def test_lookup_request_bounds_the_key_list() -> None:
         {"scope_id": HEX16, "compat_id": HEX32, "block_keys": [HEX32] * 65_537},
         "block_keys",
     )
+
+
+def test_lookup_request_names_each_key_once() -> None:
+    _rejects(
+        LookupRequest,
+        {"scope_id": HEX16, "compat_id": HEX32, "block_keys": [HEX32, HEX32]},
+        "appears twice",
+    )
+
+
+def test_every_wire_integer_is_bounded() -> None:
+    """Epochs and versions fit 63 bits, durations and counts 32 (docs/api.md)."""
+    _rejects(ReshardAbort, {"map": "m", "abort": 10**19}, "abort")
+    _rejects(ReshardCommit, {"map": "m", "commit": 1 << 63}, "commit")
+    ReshardAbort.parse({"map": "m", "abort": (1 << 63) - 1})
 
 
 def test_invalid_json_is_a_record_error() -> None:

@@ -442,3 +442,13 @@ async def test_tiny_blocks_fill_the_host_tier_by_their_number() -> None:
     assert len(service.store) <= 32  # 64 KiB / (2 KiB + 2 octets)
     assert service.store.used()["host"] <= 64 << 10
     await service.close()
+
+
+async def test_a_holder_that_stops_withdraws_what_it_will_no_longer_serve(env: Env) -> None:
+    for n in (1, 2):
+        await put_raw(env, n)
+    await env.settle()
+    assert await env.lookup(1, 2) == 2
+    await env.service.close()  # host memory only: nothing survives the stop
+    assert await env.lookup(1) == 0
+    assert await env.lookup(2) == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvsp.core.container import Container
-from kvsp.core.problems import IllegalTransition, LayersUnavailable
+from kvsp.core.problems import IllegalTransition, LayersUnavailable, NotFound
 from kvsp.core.records import ReshardPlan
 from kvsp.instance.shards import HeldRange, ShardHoldings, cut
 
@@ -77,3 +77,11 @@ def test_plans_for_ranges_not_held_or_other_versions_are_refused() -> None:
     holdings.load("m", 3, [])
     with pytest.raises(IllegalTransition):
         holdings.begin(plan())
+
+
+def test_a_commit_or_abort_for_a_map_never_held_here_is_not_found() -> None:
+    holdings = ShardHoldings()
+    with pytest.raises(NotFound):
+        holdings.abort("never-seen", 10**18)
+    with pytest.raises(NotFound):
+        holdings.commit("never-seen", 1)
