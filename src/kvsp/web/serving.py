@@ -246,6 +246,8 @@ class HttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._turned_away:
+            return  # answered and closing: nothing it sends is read
         if self._in_head and self.parser is not None:
             room = self.door.head_octets - self._head_seen
             if len(data) > room:  # feed what fits: the head may end within it
