@@ -13,7 +13,7 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from kvsp.web.serving import HELD_OCTETS_LIMIT, HeldWrites
+from kvsp.web.serving import HELD_OCTETS_LIMIT, FrontDoor, HeldWrites, parse_front_door
 from tests.servers import serving
 
 pytestmark = pytest.mark.anyio
@@ -148,3 +148,17 @@ def test_a_service_that_cannot_start_exits_with_uvicorns_startup_failure() -> No
         )
     assert done.returncode == 3
     assert "address already in use" in done.stderr.lower()
+
+
+def test_front_door_limits_come_from_name_value_settings() -> None:
+    door = parse_front_door(["head_octets=32768", "head-timeout-s=2.5", "connections=8"])
+    assert (door.head_octets, door.head_timeout_s, door.connections) == (32768, 2.5, 8)
+    assert door.header_fields == FrontDoor().header_fields  # the rest keep their defaults
+    for bad, says in [
+        ("head_octets", "NAME=VALUE"),
+        ("nope=1", "NAME=VALUE"),
+        ("head_octets=lots", "not a number"),
+        ("connections=0", "must be > 0"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            parse_front_door([bad])
