@@ -24,8 +24,9 @@ from kvsp.core.problems import (
 )
 from kvsp.core.records import LeaseRequest, ReplicaRecord
 from kvsp.holder.service import HolderConfig, HolderService
+from kvsp.index.client import IndexClient
 from kvsp.web.server import InflightOctets
-from tests.holder.env import Env, holder_env
+from tests.holder.env import INDEX, Env, holder_env
 from tests.holder.factories import COMPAT, OTHER_SCOPE, SCOPE, block_id, container
 from tests.servers import serving
 
@@ -452,3 +453,30 @@ async def test_a_holder_that_stops_withdraws_what_it_will_no_longer_serve(env: E
     await env.service.close()  # host memory only: nothing survives the stop
     assert await env.lookup(1) == 0
     assert await env.lookup(2) == 0
+
+
+async def test_a_record_left_from_before_a_restart_is_withdrawn_at_its_first_miss(
+    env: Env,
+) -> None:
+    """The holder lost its memory (a restart): the IS still lists a block here. The first GET
+    that finds it missing withdraws that record, so lookups stop sending clients here."""
+    record = ReplicaRecord.parse(container_record(env, 1))  # as published in a former life
+    published = IndexClient(INDEX, "holder", transport=env.index_transport)
+    await published.batch(put=[record])
+    assert await env.lookup(1) == 1
+    missing = await env.http.get(path(1), headers={"authorization": "Bearer c1"})
+    assert missing.status_code == 404
+    await env.settle()
+    assert await env.lookup(1) == 0
+
+
+def container_record(env: Env, n: int) -> dict[str, Any]:
+    """The Replica Record this holder would publish for ``container(n)``."""
+    c = container(n)
+    compat, scope, key = block_id(n)
+    return {
+        "block_key": key, "compat_id": compat, "scope_id": scope, "holder": env.holder,
+        "codec": c.header.codec, "size": c.size, "digest": "sha-256:" + c.digest().hex(),
+        "residency": [{"tier": "host", "layers": [0, c.header.layer_count - 1]}],
+        "ttl_ms": 60_000,
+    }  # fmt: skip

@@ -37,6 +37,7 @@ from kvsp.core.problems import (
     Forbidden,
     InvalidInput,
     KvspError,
+    NotFound,
     PayloadTooLarge,
 )
 from kvsp.core.records import LeaseGrant, LeaseRequest, ReplicaRecord, ReplicaRef
@@ -70,6 +71,8 @@ BLOCK_ROLES = (Role.CLIENT, Role.INSTANCE, Role.HOLDER, Role.CONTROLLER)
 #: (well below the IS's 16 MiB body limit: a record with many layers is large).
 BATCH = 1024
 BATCH_OCTETS = 4 << 20
+#: index updates waiting beyond which a miss no longer withdraws its stale record
+STALE_WITHDRAWALS = 65_536
 
 
 @dataclass(frozen=True)
@@ -434,7 +437,20 @@ class HolderService:
             return get() if block in self._repr and self.store.in_host(block) else None
 
         found = self._call_here(quick) if layers is None else None
-        return found if found is not None else await self.call(get)
+        try:
+            return found if found is not None else await self.call(get)
+        except NotFound:
+            if block not in self.store:
+                self._withdraw_stale(block)
+            raise
+
+    def _withdraw_stale(self, block: BlockId) -> None:
+        """A block asked for and not held: any record the index has of it here is stale (kept
+        from before a restart, when the memory that held it was lost): withdraw it, so the next
+        lookup no longer sends clients here. Withdrawing a record that is not there costs the
+        IS nothing; at most ``STALE_WITHDRAWALS`` updates wait, so misses cannot pile up."""
+        if self.index is not None and len(self._pending) < STALE_WITHDRAWALS:
+            self._queue([Withdraw(self._ref(block))])
 
     # -- leases --------------------------------------------------------------------------------
 
