@@ -278,6 +278,7 @@ def index_serve_command(
     max_records: Annotated[int, typer.Option("--max-records", min=1)] = 5_000_000,
     max_instances: Annotated[int, typer.Option("--max-instances", min=1)] = 65_536,
     max_layers: Annotated[int, typer.Option("--max-layers", min=1, max=65_535)] = 1024,
+    max_body_bytes: Annotated[str, typer.Option("--max-body-bytes")] = "16M",
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
     http_limit: HttpLimits = None,
 ) -> None:
@@ -294,7 +295,8 @@ def index_serve_command(
     replica_store = open_store(store, limits, SystemClock())
     principals = _principals(auth, host)
     service = IndexService(replica_store, max_layers=max_layers)
-    _serve(create_app(service, principals), host, port, log_level, http_limit)
+    app = create_app(service, principals, parse_octets(max_body_bytes))
+    _serve(app, host, port, log_level, http_limit)
 
 
 _SIZE = re.compile(r"([0-9]+)\s*([KMGT]?)i?B?", re.IGNORECASE)
@@ -457,6 +459,9 @@ def instance_serve_command(
     max_tokens: Annotated[
         int, typer.Option("--max-tokens", min=1, help="output tokens one request may ask for")
     ] = 256,
+    prefill_chunk: Annotated[
+        int, typer.Option("--prefill-chunk", min=1, help="prompt tokens per engine turn")
+    ] = 512,
     threads: Annotated[int | None, typer.Option("--threads", min=1)] = None,
     sleep_after_s: Annotated[
         float | None, typer.Option("--sleep-after-s", help="ask to sleep when idle this long")
@@ -500,6 +505,7 @@ def instance_serve_command(
         offload_url=offload,
         status_ttl_ms=status_ttl_ms,
         max_tokens=max_tokens,
+        prefill_chunk=prefill_chunk,
         threads=threads,
         sleep_after_s=sleep_after_s,
         session_index=session_index,

@@ -121,6 +121,9 @@ class InstanceConfig:
     release_batch: int = 4
     checkpoint_every: int = 64
     max_tokens: int = 256
+    #: prompt tokens per engine turn: between turns other tenants' steps run, and a cancelled
+    #: session stops
+    prefill_chunk: int = 512
     #: finished sessions whose tokens stay readable (oldest forgotten first)
     max_sessions: int = 1024
     model_home: Path | None = None
@@ -138,8 +141,6 @@ T = TypeVar("T")
 
 #: whose turn the controller's own engine work (sequence shards) takes
 CONTROL_TURN = ""
-#: prompt tokens computed per engine call: between calls a cancelled session stops
-PREFILL_CHUNK = 512
 #: why a session of an epoch the controller marked failed stopped (it was resumed elsewhere)
 MOVED = "moved: the controller resumed this session elsewhere"
 
@@ -708,8 +709,9 @@ class InstanceService:
 
         try:
             logits = None
-            for at in range(0, len(rest), PREFILL_CHUNK):
-                chunk = rest[at : at + PREFILL_CHUNK]
+            step_tokens = self.config.prefill_chunk
+            for at in range(0, len(rest), step_tokens):
+                chunk = rest[at : at + step_tokens]
                 logits = await self.engine_thread.run(
                     tenant, functools.partial(timed, engine.forward, state, chunk)
                 )
