@@ -3,8 +3,11 @@ document, the service's memory bounded, and a well-behaved client served meanwhi
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -14,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvsp.web.client import KEEPALIVE_EXPIRY_S
+from kvsp.web.serving import FrontDoor
 from tests.servers import Service, running
 
 LIMITS = ["--http-limit", "head_timeout_s=1", "--http-limit", "connections=64"]
@@ -164,3 +169,42 @@ def test_deep_json_and_repeated_keys_are_400(index: Service) -> None:
     index.stop()
     assert b"Traceback" not in index.log
     index.start()
+
+
+async def _lookups_through_a_stop(index: Service, stop_s: float) -> list[str]:
+    """Lookups on kept-alive connections while the service is stopped for ``stop_s``: what
+    went wrong (nothing should: a request sent during the stop is answered after it)."""
+    assert index.process is not None
+    assert index.process.pid is not None
+    body = {"scope_id": "ab" * 16, "compat_id": "cd" * 32, "block_keys": ["ef" * 32]}
+    errors: list[str] = []
+    done = asyncio.Event()
+
+    async def client() -> None:
+        limits = httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as http:
+            while not done.is_set():
+                try:
+                    answer = await http.post(index.base_url + "lookup", json=body)
+                    if answer.status_code != 200:
+                        errors.append(str(answer.status_code))
+                except httpx.HTTPError as exc:
+                    errors.append(repr(exc))
+                await asyncio.sleep(0.05)
+
+    clients = [asyncio.create_task(client()) for _ in range(3)]
+    await asyncio.sleep(0.5)
+    os.kill(index.process.pid, signal.SIGSTOP)
+    await asyncio.sleep(stop_s)
+    os.kill(index.process.pid, signal.SIGCONT)
+    await asyncio.sleep(1.0)
+    done.set()
+    await asyncio.gather(*clients)
+    return errors
+
+
+@pytest.mark.anyio
+async def test_requests_sent_while_the_service_was_stopped_are_answered(index: Service) -> None:
+    """Stopped longer than its idle timeout, the service must not close kept-alive
+    connections whose next request arrived meanwhile (it resets them otherwise)."""
+    assert await _lookups_through_a_stop(index, FrontDoor().idle_timeout_s + 1) == []

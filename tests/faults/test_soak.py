@@ -19,6 +19,7 @@ import pytest
 
 from kvsp.instance.model import ModelFiles
 from kvsp.local import LocalCluster, Process
+from kvsp.web.client import KEEPALIVE_EXPIRY_S
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -33,7 +34,10 @@ class Load:
         self.stop = asyncio.Event()
 
     async def _loop(self, what: str, call: object) -> None:
-        async with httpx.AsyncClient(timeout=60) as http:
+        # kvsp's own clients' keep-alive expiry, below the services' idle timeout: a client
+        # that keeps an idle connection as long as the server does races its close
+        limits = httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as http:
             while not self.stop.is_set():
                 started = time.monotonic()
                 try:
@@ -143,6 +147,9 @@ async def test_a_cluster_under_load_and_faults_heals_by_itself(
         load.stop.set()
         await asyncio.to_thread(cluster.stop)
     assert load.statuses["completion 200"] > 0
-    assert not [s for s in load.statuses if s.split()[1] in ("500", "502")]
+    # no internal error and no request lost on the way: every answer a status code, and a 5xx
+    # only for a completion asked while no instance was alive (503)
+    bad = [s for s in load.statuses if not s.split()[1].isdigit() or s.split()[1] >= "500"]
+    assert set(bad) <= {"completion 503"}, dict(load.statuses)
     for log in (tmp_path / "cluster" / "logs").iterdir():
         assert b"Traceback" not in log.read_bytes(), log.name

@@ -744,9 +744,11 @@ class InstanceService:
             session.hint_outcomes = await self.kv.execute(
                 session.hints[0], self.compat_id, session.hints[1]
             )
-        session.done = True
         if session.cancelled != MOVED:  # a moved session's epoch is over at the controller
             await self._checkpoint(session, final=True)
+        # done only once the last checkpoint released what it covers: a reader woken meanwhile
+        # (by another checkpoint's answer) must not take the session for over and stop short
+        session.done = True
         session.notify()
 
     def _on_block(self, session: Session, index: int, body: bytes) -> None:

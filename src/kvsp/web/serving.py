@@ -29,6 +29,7 @@ import contextlib
 import functools
 import json
 import logging
+import select
 import sys
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -63,6 +64,9 @@ log = logging.getLogger("kvsp.http")
 #: Held writes reaching this many octets go out at once, so that a response streamed in many
 #: chunks within one step never sits outside the real transport's flow control.
 HELD_OCTETS_LIMIT = 64 * 1024
+#: how late a timeout may fire before it counts as the process's stall, not the client's
+#: delay, and how long it then waits again
+STALL_GRACE_S = 0.5
 
 
 class HeldWrites(asyncio.Transport):
@@ -225,6 +229,8 @@ class HttpProtocol(HttpToolsProtocol):
         self._rejection: KvspError | None = None
         self._turned_away = False
         self._read_timer: asyncio.TimerHandle | None = None
+        #: whether the running read timeout already waited once for a stall
+        self._graced = False
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -322,6 +328,7 @@ class HttpProtocol(HttpToolsProtocol):
 
     def _arm(self, seconds: float) -> None:
         self._disarm()
+        self._graced = False
         self._read_timer = self.loop.call_later(seconds, self._read_timed_out)
 
     def _disarm(self) -> None:
@@ -329,9 +336,37 @@ class HttpProtocol(HttpToolsProtocol):
             self._read_timer.cancel()
             self._read_timer = None
 
+    def _stalled(self, timer: asyncio.TimerHandle | None) -> bool:
+        """Whether a timeout should wait ``STALL_GRACE_S`` more instead of closing: octets
+        wait unread on the socket (the process was stopped or starved, SIGSTOP or a busy CPU,
+        and the client's request came meanwhile; closing now would reset a request that is
+        already here), or ``timer`` fires well after its time for the same reason."""
+        if timer is not None and self.loop.time() - timer.when() > STALL_GRACE_S:
+            return True
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return False
+        try:
+            readable, _, _ = select.select([sock.fileno()], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return bool(readable)
+
+    def timeout_keep_alive_handler(self) -> None:
+        if self._stalled(self.timeout_keep_alive_task):
+            self.timeout_keep_alive_task = self.loop.call_later(
+                STALL_GRACE_S, super().timeout_keep_alive_handler
+            )
+            return
+        super().timeout_keep_alive_handler()
+
     def _read_timed_out(self) -> None:
-        self._read_timer = None
+        timer, self._read_timer = self._read_timer, None
         if self.transport is None or self.transport.is_closing():
+            return
+        if not self._graced and self._stalled(timer):  # once: a trickle of octets is no stall
+            self._graced = True
+            self._read_timer = self.loop.call_later(STALL_GRACE_S, self._read_timed_out)
             return
         if self._in_head:
             timeout = self.door.head_timeout_s
