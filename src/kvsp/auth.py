@@ -4,7 +4,7 @@ Every service reads the same principals file (TOML, ``--auth FILE``)::
 
     [principals.holder-1]
     token_sha256 = "<hex SHA-256 of the token>"   # tokens are never stored in clear
-    roles = ["holder"]                  # holder | instance | controller | client | admin
+    roles = ["holder"]          # holder | instance | controller | client | metrics | admin
     holders = ["http://127.0.0.1:9101/kvsp/"]       # holder URLs it may publish for ("*": any)
     scopes = ["<hex16 scope id>"]                   # or ["*"] for every scope
 
@@ -50,6 +50,8 @@ class Role(StrEnum):
     INSTANCE = "instance"
     CONTROLLER = "controller"
     CLIENT = "client"
+    #: reads ``GET metrics`` (which names scopes and principals), nothing else
+    METRICS = "metrics"
     ADMIN = "admin"
 
 

@@ -630,8 +630,9 @@ def _announce(cluster: LocalCluster) -> None:
     lines = [
         "kvsp is up",
         f"  OpenAI base URL  {base}",
-        f"  API key          {info['api_key']}",
+        *(f"  API key          {key}  (tenant {name})" for name, key in cluster.api_keys.items()),
         f"  controller       {info['controller']}  (operator token {info['operator_token']})",
+        f"  metrics token    {cluster.metrics_token}  (GET metrics on every service)",
         f"  Index Service    {info['index']}",
         f"  holder           {info['holder']}",
         *(f"  instance         {p.url}" for p in cluster.instance_processes),

@@ -79,7 +79,7 @@ class Demo:
         self.base = str(info["openai_base_url"]) + "/"
         self.controller = cluster.controller.url
         self.auth = {"authorization": f"Bearer {info['api_key']}"}
-        self.other = {"authorization": f"Bearer {cluster.other_api_key}"}
+        self.other = {"authorization": f"Bearer {cluster.api_keys['other']}"}
         self.operator = {"authorization": f"Bearer {cluster.operator_token}"}
         self.http = httpx.Client(timeout=httpx.Timeout(60.0, read=180.0))
         self.checks: list[Check] = []

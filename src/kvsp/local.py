@@ -25,12 +25,14 @@ from pathlib import Path
 import httpx
 
 from kvsp.auth import token_sha256
+from kvsp.core.keys import scope_id
 from kvsp.core.problems import ServiceUnavailable
 from kvsp.instance.model import installed
 
 __all__ = ["LocalCluster", "Process", "free_port"]
 
-TENANT = "demo"
+#: the tenants ``kvsp up`` makes: try one against the other
+TENANTS = ("demo", "other")
 
 
 #: ports this process handed out: the kernel may offer a released port again before the
@@ -87,22 +89,33 @@ class LocalCluster:
     #: the holder that keeps a copy of every block, so sessions outlive their instance
     holder_bytes: str = "2G"
     processes: list[Process] = field(default_factory=list)
-    api_key: str = field(default_factory=lambda: "sk-kvsp-" + secrets.token_hex(16))
-    #: a second tenant's key: its own scope, so it never shares the first one's cache
-    other_api_key: str = field(default_factory=lambda: "sk-kvsp-" + secrets.token_hex(16))
+    #: each tenant's API key; every tenant has a scope of its own, so no two share a cache
+    api_keys: dict[str, str] = field(
+        default_factory=lambda: {name: "sk-kvsp-" + secrets.token_hex(16) for name in TENANTS}
+    )
     operator_token: str = field(default_factory=lambda: secrets.token_hex(24))
+    #: a scraper's token: ``GET metrics`` on every service, nothing else
+    metrics_token: str = ""
+
+    @property
+    def api_key(self) -> str:
+        """The first tenant's API key (the one ``kvsp demo`` and the quick start use)."""
+        return self.api_keys[TENANTS[0]]
 
     # -- files -----------------------------------------------------------------------------------
 
     def _write(self, name: str, text: str) -> Path:
+        """A file only its owner may read: every file here holds a secret."""
         path = self.folder / name
-        path.write_text(text, encoding="utf-8")
-        path.chmod(0o600)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w", encoding="utf-8") as out:
+            out.write(text)
+        path.chmod(0o600)  # a file that was there before keeps its mode through O_TRUNC
         return path
 
     def prepare(self) -> None:
         """Ports, tokens, the principals and tenants files, and the process list."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         compat = installed().compat_id.hex()
         index_port = free_port()
         holder_port = free_port()
@@ -111,25 +124,31 @@ class LocalCluster:
         ports = [free_port() for _ in range(self.instances)]
         urls = [f"http://127.0.0.1:{p}/kvsp/" for p in ports]
         tokens = {
-            name: secrets.token_hex(24) for name in ["controller", "holder", *map(str, ports)]
+            name: secrets.token_hex(24)
+            for name in ["controller", "holder", "metrics", *map(str, ports)]
         }
+        scope_keys = {name: secrets.token_hex(32) for name in self.api_keys}
+        scopes = [scope_id(bytes.fromhex(k)).hex() for k in scope_keys.values()]
+        # each service only the roles its routes need, in the tenants' scopes (docs/api.md)
         principals = [
-            self._principal("operator", self.operator_token, ["admin"], ["*"]),
-            self._principal("controller", tokens["controller"], ["controller"], ["*"]),
-            self._principal("holder", tokens["holder"], ["holder"], [holder_url]),
+            self._principal("operator", self.operator_token, ["admin"], ["*"], ["*"]),
+            self._principal("controller", tokens["controller"], ["controller"], urls, scopes),
+            self._principal("holder", tokens["holder"], ["holder"], [holder_url], scopes),
+            self._principal("metrics", tokens["metrics"], ["metrics"], [], []),
             *(
-                self._principal(f"instance-{p}", tokens[str(p)], ["instance", "holder"], [u])
+                self._principal(f"instance-{p}", tokens[str(p)], ["instance"], [u], scopes)
                 for p, u in zip(ports, urls, strict=True)
             ),
         ]
+        self.metrics_token = tokens["metrics"]
         auth = str(self._write("principals.toml", "\n".join(principals)))
         tenants = str(
             self._write(
                 "tenants.toml",
                 "\n".join(
-                    f'[tenants.{name}]\nscope_key = "{secrets.token_hex(32)}"\n'
+                    f'[tenants.{name}]\nscope_key = "{scope_keys[name]}"\n'
                     f'compat_ids = ["{compat}"]\napi_keys_sha256 = ["{token_sha256(key)}"]\n'
-                    for name, key in ((TENANT, self.api_key), ("other", self.other_api_key))
+                    for name, key in self.api_keys.items()
                 ),
             )
         )
@@ -194,14 +213,16 @@ class LocalCluster:
                     logs / f"instance-{n}.log",
                 )
             )
-        (self.folder / "cluster.json").write_text(json.dumps(self.describe(), indent=2))
+        self._write("cluster.json", json.dumps(self.describe(), indent=2))
 
     @staticmethod
-    def _principal(name: str, token: str, roles: list[str], holders: list[str]) -> str:
+    def _principal(
+        name: str, token: str, roles: list[str], holders: list[str], scopes: list[str]
+    ) -> str:
         return (
             f'[principals."{name}"]\ntoken_sha256 = "{token_sha256(token)}"\n'
             f"roles = {json.dumps(roles)}\nholders = {json.dumps(holders)}\n"
-            f'scopes = ["*"]\n'
+            f"scopes = {json.dumps(scopes)}\n"
         )
 
     # -- running ---------------------------------------------------------------------------------
@@ -230,7 +251,9 @@ class LocalCluster:
             "openai_base_url": self.controller.url + "v1",
             "instances": [p.url for p in self.instance_processes],
             "api_key": self.api_key,
+            "api_keys": self.api_keys,
             "operator_token": self.operator_token,
+            "metrics_token": self.metrics_token,
             "logs": str(self.folder / "logs"),
         }
 
@@ -243,9 +266,8 @@ class LocalCluster:
                 process.start()
                 self._healthy(process, timeout_s)
             self.wait_active(len(self.instance_processes), timeout_s)
-            (self.folder / "cluster.json").write_text(
-                json.dumps({**self.describe(), "pids": self.pids()}, indent=2)
-            )
+            described = {**self.describe(), "pids": self.pids()}
+            self._write("cluster.json", json.dumps(described, indent=2))
         except BaseException:
             self.stop()
             raise

@@ -18,6 +18,7 @@ from kvsp.controller.app import create_app
 from kvsp.controller.service import ControllerConfig, ControllerService
 from kvsp.controller.tenants import Tenants
 from kvsp.core.clock import ManualClock
+from kvsp.core.ids import tenant_session
 from kvsp.core.keys import block_keys
 from kvsp.core.records import ReplicaRecord
 from kvsp.index.app import create_app as create_index_app
@@ -42,6 +43,7 @@ def principals(i1: str, i2: str, i3: str) -> str:
     return "\n".join(
         [
             principal("op", ["controller"]),
+            principal("scraper", ["metrics"]),
             principal("pc", ["controller"], ["*"]),
             principal("h1", ["holder"], [H1]),
             principal("i1", ["instance"], [i1]),
@@ -182,7 +184,7 @@ async def test_placement_prefers_the_instance_that_can_load_the_prefix_and_prefe
     assert again.status_code == 404  # reported once
     bad = await env.call("PUT", "decisions/x/ttft", body={"ttft_us": -1})
     assert bad.status_code == 400
-    metrics = (await env.call("GET", "metrics")).text
+    metrics = (await env.call("GET", "metrics", "scraper")).text
     assert 'kvsp_controller_placements_total{outcome="placed"} 1.0' in metrics
     assert "kvsp_controller_measured_ttft_seconds_count 1.0" in metrics
     assert "kvsp_controller_ttft_measured_over_predicted_count 1.0" in metrics
@@ -230,13 +232,15 @@ async def test_6_8_checkpoints_failover_and_old_epochs(env: Env) -> None:
     )
     assert doc["instance"] == env.urls[0]
     assert doc["session_epoch"] == 0
+    sid = doc["session"]  # the tenant's name for it, namespaced
+    assert sid == tenant_session(env.tenant.scope_id, SESSION) != SESSION
     sampler = {"method": "top-k", "params": {"k": 5}, "seed": 3, "step": 3}
     checkpoint = {
-        "session": SESSION, "epoch": 0, "compat_id": COMPAT, "scope_id": env.tenant.scope_id,
+        "session": sid, "epoch": 0, "compat_id": COMPAT, "scope_id": env.tenant.scope_id,
         "prompt_blocks": env.keys(), "prompt_tail": [], "generated": [5, 6, 7],
         "output_offset": 3, "sampler": sampler,
     }  # fmt: skip
-    answer = await env.call("PUT", f"sessions/{SESSION}/checkpoint", "i1", checkpoint)
+    answer = await env.call("PUT", f"sessions/{sid}/checkpoint", "i1", checkpoint)
     assert answer.json() == {"recorded": True, "acknowledged": 3, "epoch": 0}
     # I1 stops reporting: its status expires and the session moves to I2 with epoch 1
     env.clock.advance(2_000)
@@ -247,25 +251,25 @@ async def test_6_8_checkpoints_failover_and_old_epochs(env: Env) -> None:
     assert resume["epoch"] == 1
     assert resume["generated"] == [5, 6, 7]
     assert resume["sampler"]["seed"] == 3
-    session = (await env.call("GET", f"sessions/{SESSION}")).json()
+    session = (await env.call("GET", f"sessions/{sid}")).json()
     assert (session["instance"], session["epoch"], session["failovers"]) == (env.urls[1], 1, 1)
     late = await env.call(
         "PUT",
-        f"sessions/{SESSION}/checkpoint",
+        f"sessions/{sid}/checkpoint",
         "i1",
         {**checkpoint, "generated": [5, 6, 7, 8], "output_offset": 4},
     )
     assert late.status_code == 409
     assert late.json()["type"].endswith("#kvsp-stale-epoch")
     fresh = {**checkpoint, "epoch": 1, "generated": [5, 6, 7, 8], "output_offset": 4}
-    accepted = await env.call("PUT", f"sessions/{SESSION}/checkpoint", "i2", fresh)
+    accepted = await env.call("PUT", f"sessions/{sid}/checkpoint", "i2", fresh)
     assert accepted.json()["epoch"] == 1
     nobody = "00000000-0000-4000-8000-000000000000"
     unknown = await env.call(
         "PUT", f"sessions/{nobody}/checkpoint", "i1", {**checkpoint, "session": nobody}
     )
     assert unknown.status_code == 404
-    metrics = (await env.call("GET", "metrics")).text
+    metrics = (await env.call("GET", "metrics", "scraper")).text
     assert 'kvsp_controller_failovers_total{result="resumed"} 1.0' in metrics
 
 
@@ -299,7 +303,7 @@ async def test_bad_requests_are_problems(env: Env) -> None:
         await env.call(
             "POST", "place", body={"tenant": "nobody", "compat_id": COMPAT, "tokens": [1]}
         )
-    ).status_code == 404
+    ).status_code == 403  # as for a tenant the principal may not act for: names stay hidden
     other_compat = {"tenant": "acme", "compat_id": "ab" * 32, "tokens": [1]}
     assert (await env.call("POST", "place", body=other_compat)).status_code == 403
     assert (
@@ -350,16 +354,18 @@ async def test_a_peer_failing_background_work_is_logged_not_left_in_a_task(
     env: Env, caplog: pytest.LogCaptureFixture
 ) -> None:
     await env.report(0)
-    assert (await env.place(session=SESSION))["instance"] == env.urls[0]
+    doc = await env.place(session=SESSION)
+    assert doc["instance"] == env.urls[0]
+    sid = doc["session"]
     # the stand-in has no session route: ending the session there fails in the background
-    env.service.forget_session(SESSION)
+    env.service.forget_session(sid)
     running = {"kvsp-controller-tick", "kvsp-status-forwarder"}  # for the service's lifetime
     while [t for t in env.service._tasks if t.get_name() not in running]:
         await asyncio.sleep(0.01)
     gc.collect()  # an exception nobody retrieved would be reported now
     await asyncio.sleep(0)
     warnings = [r.getMessage() for r in caplog.records if r.name == "kvsp.controller"]
-    assert any(f"session {SESSION} not ended at {env.urls[0]}" in w for w in warnings)
+    assert any(f"session {sid} not ended at {env.urls[0]}" in w for w in warnings)
     assert not [r for r in caplog.records if r.name == "asyncio"]
 
 
@@ -408,11 +414,13 @@ async def test_a_failed_wake_sends_no_work_and_leaves_the_instance_asleep(env: E
 async def test_a_restart_fails_the_old_epochs_sessions_over_at_once(env: Env) -> None:
     await env.report(0)
     await env.report(1, queued=3)
-    assert (await env.place(session=SESSION))["instance"] == env.urls[0]
+    doc = await env.place(session=SESSION)
+    assert doc["instance"] == env.urls[0]
+    sid = doc["session"]
     # I1 restarts (a higher epoch) long before its old status expires
     assert (await env.report(0, epoch=2, queued=5)).json() == {"state": "active"}
     for _ in range(200):
-        session = (await env.call("GET", f"sessions/{SESSION}")).json()
+        session = (await env.call("GET", f"sessions/{sid}")).json()
         if session["epoch"] == 1:
             break
         await asyncio.sleep(0.01)

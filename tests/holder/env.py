@@ -36,6 +36,7 @@ def principals(holder: str) -> str:
             principal("other", ["client"], scopes=[OTHER_SCOPE]),
             principal("holder", ["holder"], [holder]),
             principal("pc", ["controller"]),
+            principal("scraper", ["metrics"]),
         ]
     )
 

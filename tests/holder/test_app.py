@@ -355,7 +355,7 @@ async def test_the_index_hears_of_every_store_and_eviction(env: Env) -> None:
     await env.settle()
     assert await env.lookup(1) == 0
     assert await env.lookup(2, 3) == 2
-    text = (await env.http.get("metrics")).text
+    text = (await env.http.get("metrics", headers={"authorization": "Bearer scraper"})).text
     assert 'kvsp_holder_bytes{tier="host"} 1024.0' in text
     assert 'kvsp_holder_evictions_total{tier="host"} 1.0' in text
     assert "kvsp_holder_index_pending 0.0" in text
@@ -394,7 +394,7 @@ async def test_puts_beyond_the_octets_in_flight_are_503_with_retry_after(env: En
         c.cell_contents
         for route in env.app.app.routes  # type: ignore[attr-defined]
         if getattr(route, "path", "").endswith("{block_key}") and "PUT" in (route.methods or ())
-        for c in (route.endpoint.__closure__ or ())
+        for c in (route.endpoint.endpoint.__closure__ or ())
         if isinstance(c.cell_contents, InflightOctets)
     )
     inflight.limit = 1000
@@ -422,7 +422,7 @@ async def test_an_entry_the_index_refuses_is_dropped_and_the_others_published(en
     assert await env.lookup(2) == 1  # published despite block 1 in the same batch
     assert await env.lookup(1) == 0
     assert not env.service._pending
-    text = (await env.http.get("metrics")).text
+    text = (await env.http.get("metrics", headers={"authorization": "Bearer scraper"})).text
     assert 'kvsp_holder_index_refused_total{type="kvsp-invalid-record"} 1.0' in text
 
 

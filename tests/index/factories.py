@@ -73,7 +73,8 @@ def status(
 
 
 def principals_toml() -> str:
-    """Principals of index tests: holder h1 (scope A), controllers for A and B, instance i1."""
+    """Principals of index tests: holder h1 (scope A), controllers for A and B, instance i1,
+    and a metrics scraper."""
     from kvsp.auth import token_sha256
 
     return f"""
@@ -92,6 +93,10 @@ scopes = ["{SCOPE_A}"]
 token_sha256 = "{token_sha256("pc-b")}"
 roles = ["controller"]
 scopes = ["{SCOPE_B}"]
+
+[principals.scraper]
+token_sha256 = "{token_sha256("scraper")}"
+roles = ["metrics"]
 
 [principals.i1]
 token_sha256 = "{token_sha256("i1")}"

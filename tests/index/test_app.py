@@ -245,7 +245,9 @@ async def test_health_and_metrics(http: httpx.AsyncClient, clock: ManualClock) -
         await client_for(http, "pc-b").lookup(lookup_request(0))
     clock.advance(1_000)
     assert await pc.health() == {"status": "ok", "store": "memory"}
-    text = await pc.metrics()
+    with pytest.raises(Forbidden):  # metrics name scopes: a scraper's token only
+        await pc.metrics()
+    text = await client_for(http, "scraper").metrics()
     lines = {
         line.split(" ")[0]: line.split(" ")[1]
         for line in text.splitlines()
@@ -256,7 +258,7 @@ async def test_health_and_metrics(http: httpx.AsyncClient, clock: ManualClock) -
     assert lines["kvsp_index_hit_ratio"] == "0.5"
     assert lines['kvsp_index_lookup_matched_blocks_bucket{le="2.0"}'] == "1.0"
     assert lines["kvsp_index_expired_records"] == "1.0"
-    assert lines['kvsp_index_rejected_requests_total{type="kvsp-forbidden"}'] == "1.0"
+    assert lines['kvsp_index_rejected_requests_total{type="kvsp-forbidden"}'] == "2.0"  # the lookup and the metrics
     assert lines['kvsp_index_publishes_total{result="created"}'] == "2.0"
 
 

@@ -13,9 +13,9 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvsp.auth import Principals
+from kvsp.auth import Principals, Role
 from kvsp.controller.frontend import FrontEnd, frontend_ops
-from kvsp.controller.service import ControllerService
+from kvsp.controller.service import OPERATOR_ROLES, ControllerService
 from kvsp.core.records import (
     MAX_KEYS_PER_REQUEST,
     Hex32,
@@ -25,17 +25,16 @@ from kvsp.core.records import (
     Record,
     Sampler,
     SessionCheckpoint,
+    SessionName,
     ShardMap,
     StateAnswer,
     TokenId,
-    Uuid,
 )
-from kvsp.web.openapi import HEALTH, Op, obj, routes_of
+from kvsp.web.openapi import ANYONE, HEALTH, METRICS_ROLES, Op, obj, principal_of, routes_of
 from kvsp.web.server import (
     install_problem_handlers,
     json_response,
     lifespan_of,
-    principal_of,
     read_json_body,
 )
 
@@ -49,7 +48,7 @@ class PlaceRequest(Record):
     tenant: Annotated[StrictStr, Field(min_length=1, max_length=128)]
     compat_id: Hex32
     tokens: Annotated[tuple[TokenId, ...], Field(max_length=MAX_KEYS_PER_REQUEST * 16)]
-    session: Uuid | None = None
+    session: SessionName | None = None
     sampler: Sampler | None = None
     request_ref: Annotated[StrictStr, Field(max_length=256)] | None = None
     wait_prefetch: StrictBool = False
@@ -96,13 +95,13 @@ def create_app(
         return await read_json_body(request, _BODY_OCTETS)
 
     async def status(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         parsed = InstanceStatusRecord.parse(await body(request))
         state = await service.put_status(principal, parsed)
         return _json({"state": state.value})
 
     async def checkpoint(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         parsed = SessionCheckpoint.parse(await body(request))
         answer = await service.put_checkpoint(principal, request.path_params["session"], parsed)
         return _json(
@@ -114,16 +113,16 @@ def create_app(
         )
 
     async def session(request: Request) -> Response:
-        principal_of(request, principals)
+        principal = principal_of(request.scope)
         name = request.path_params["session"]
-        doc = service.sessions.get(name).to_json()
+        doc = service.sessions.get_for(principal, name).to_json()
         hints = None if service.session_hints is None else service.session_hints.get(name)
         if hints is not None:
             doc["hints"] = hints.to_json()
         return _json(doc)
 
     async def turn_ended(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         turn = TurnEnd.parse(await body(request))
         outcomes = await service.turn_ended(
             principal, request.path_params["session"], turn.tool_call, turn.expected_gap_ms
@@ -131,22 +130,22 @@ def create_app(
         return _json({"outcomes": outcomes})
 
     async def end_session(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         outcomes = await service.end_session(principal, request.path_params["session"])
         return _json({"outcomes": outcomes})
 
     async def instances(request: Request) -> Response:
-        principal_of(request, principals)
+        # the role is checked before the endpoint (routes_of)
         return _json({"instances": service.instance_view()})
 
     async def instance_state(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         parsed = InstanceStateChange.parse(await body(request))
         await service.set_state(principal, parsed.instance, parsed.state)
         return _json({"instance": parsed.instance, "state": parsed.state.value})
 
     async def place(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         parsed = PlaceRequest.parse(await body(request))
         placement = await service.place(
             principal,
@@ -162,19 +161,19 @@ def create_app(
         return _json(placement.to_json())
 
     async def ttft(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         parsed = TtftReport.parse(await body(request))
         predicted = service.observe_ttft(principal, request.path_params["decision"], parsed.ttft_us)
         return _json({"predicted_us": round(predicted, 1), "measured_us": parsed.ttft_us})
 
     async def register_map(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         parsed = ShardMap.parse(await body(request))
         service.register_map(principal, parsed)
         return _json({"map": parsed.map, "version": parsed.version}, 201)
 
     async def get_map(request: Request) -> Response:
-        principal_of(request, principals)
+        # the role is checked before the endpoint (routes_of)
         map_id = request.path_params["map"]
         current = service.reshards.current(map_id)
         return _json(
@@ -185,7 +184,7 @@ def create_app(
         )
 
     async def reshard(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         parsed = ReshardRequest.parse(await body(request))
         result = await service.reshard(
             principal, request.path_params["map"], parsed.to, parsed.instances, parsed.deadline_ms
@@ -206,46 +205,48 @@ def create_app(
         return Response(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
 
     base = "/kvsp/"
-    pc = "role controller"
-    operator = "role controller or client"
+    pc = (Role.CONTROLLER,)
+    operator = OPERATOR_ROLES
+    own = "the session's scope"
     outcomes = obj(["outcomes"], outcomes={"type": "array"})
     ops = [
-        Op("PUT", "status", status, "an instance's status (KVSP 6.3)",
-           "role instance, with the instance in its holders", InstanceStatusRecord,
-           {200: StateAnswer}),
+        Op("PUT", "status", status, "an instance's status (KVSP 6.3)", (Role.INSTANCE,),
+           "the instance's URL in its holders", InstanceStatusRecord, {200: StateAnswer}),
         Op("PUT", "sessions/{session}/checkpoint", checkpoint, "a session checkpoint (KVSP 6.8)",
-           "role instance, in the session's scope", SessionCheckpoint,
+           (Role.INSTANCE,), own, SessionCheckpoint,
            {200: obj(["recorded", "acknowledged", "epoch"], recorded={"type": "boolean"},
                      acknowledged={"type": "integer"}, epoch={"type": "integer"})}),
-        Op("GET", "sessions/{session}", session, "a session's state", operator,
+        Op("GET", "sessions/{session}", session, "a session's state", operator, own,
            answers={200: {"type": "object"}}),
-        Op("DELETE", "sessions/{session}", end_session, "a session is over", operator,
+        Op("DELETE", "sessions/{session}", end_session, "a session is over", operator, own,
            answers={200: outcomes}),
         Op("POST", "sessions/{session}/turns", turn_ended, "a turn is over (KvHints)", operator,
-           TurnEnd, {200: outcomes}),
-        Op("GET", "instances", instances, "every instance as the controller sees it", operator,
+           own, TurnEnd, {200: outcomes}),
+        Op("GET", "instances", instances, "every instance as the controller sees it", pc,
            answers={200: obj(["instances"], instances={"type": "array"})}),
         Op("PUT", "instances/state", instance_state, "wake or drain an instance", pc,
-           InstanceStateChange, {200: obj(["instance", "state"], instance={"type": "string"},
-                                          state={"type": "string"})}),
-        Op("POST", "place", place, "place a request (KVSP 6.4)", operator, PlaceRequest,
-           {200: {"type": "object"}}),
+           body=InstanceStateChange, answers={200: obj(["instance", "state"],
+                                                       instance={"type": "string"},
+                                                       state={"type": "string"})}),
+        Op("POST", "place", place, "place a request (KVSP 6.4)", operator, "the tenant's scope",
+           PlaceRequest, {200: {"type": "object"}}),
         Op("PUT", "decisions/{decision}/ttft", ttft, "a placed request's measured TTFT",
-           operator, TtftReport, {200: obj(["predicted_us", "measured_us"],
-                                           predicted_us={"type": "number"},
-                                           measured_us={"type": "number"})}),
-        Op("POST", "shards", register_map, "register a shard map (KVSP 6.9)", pc, ShardMap,
-           {201: obj(["map", "version"], map={"type": "string"}, version={"type": "integer"})}),
-        Op("GET", "shards/{map}", get_map, "a shard map", operator,
-           answers={200: {"type": "object"}}),
+           operator, body=TtftReport, answers={200: obj(["predicted_us", "measured_us"],
+                                                        predicted_us={"type": "number"},
+                                                        measured_us={"type": "number"})}),
+        Op("POST", "shards", register_map, "register a shard map (KVSP 6.9)", pc, body=ShardMap,
+           answers={201: obj(["map", "version"], map={"type": "string"},
+                             version={"type": "integer"})}),
+        Op("GET", "shards/{map}", get_map, "a shard map", pc, answers={200: {"type": "object"}}),
         Op("POST", "shards/{map}/reshard", reshard, "reshard a map (KVSP 6.9)", pc,
-           ReshardRequest, {200: {"type": "object"}}),
-        Op("GET", "healthz", healthz, "liveness", "anyone", answers={200: HEALTH}),
-        Op("GET", "metrics", metrics, "Prometheus text", "anyone", answers={200: "text/plain"}),
+           body=ReshardRequest, answers={200: {"type": "object"}}),
+        Op("GET", "healthz", healthz, "liveness", ANYONE, answers={200: HEALTH}),
+        Op("GET", "metrics", metrics, "Prometheus text", METRICS_ROLES,
+           answers={200: "text/plain"}),
         *([] if frontend is None else frontend_ops(frontend, _BODY_OCTETS)),
     ]  # fmt: skip
     app = Starlette(
-        routes=routes_of(base, "kvsp Placement Controller", ops),
+        routes=routes_of(base, "kvsp Placement Controller", ops, principals),
         lifespan=lifespan_of(service.start, close),
     )
     install_problem_handlers(app, log, lambda slug: service.rejected.labels(slug).inc())

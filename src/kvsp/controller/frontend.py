@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Protocol, TypeVar, cast
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -43,11 +43,11 @@ from kvsp.auth import Principal, Role
 from kvsp.controller.service import ControllerService, Placement
 from kvsp.controller.tenants import Tenant
 from kvsp.core.problems import InvalidInput, KvspError, ServiceUnavailable, Unauthenticated
-from kvsp.core.records import Sampler
+from kvsp.core.records import Sampler, SessionName
 from kvsp.core.urls import canonical_url
 from kvsp.instance.model import MODEL_NAME, ModelBounds, ModelFiles
 from kvsp.web.client import KEEPALIVE_EXPIRY_S, auth_headers
-from kvsp.web.openapi import Op
+from kvsp.web.openapi import ANYONE, Op
 from kvsp.web.server import header_value, read_json_body
 
 __all__ = [
@@ -63,6 +63,7 @@ log = logging.getLogger("kvsp.frontend")
 
 T = TypeVar("T")
 
+_SESSION_NAME: TypeAdapter[str] = TypeAdapter(SessionName)
 #: how long a broken stream waits for its session to be resumed elsewhere
 RESUME_WAIT_S = 30.0
 
@@ -104,8 +105,10 @@ class CompletionRequest(BaseModel):
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     seed: Annotated[int, Field(ge=0, le=(1 << 63) - 1)] | None = None
     stream: bool = False
-    #: extensions: the conversation this turn belongs to, and how the turn ends
-    session: Annotated[str, Field(max_length=64)] | None = None
+    #: extensions: the conversation this turn belongs to (``session``, ``session_id`` or the
+    #: ``X-Session-ID`` header: any name, namespaced by the tenant), and how the turn ends
+    session: SessionName | None = None
+    session_id: SessionName | None = None
     tool_call: bool = False
     expected_gap_ms: Annotated[int, Field(ge=0, le=86_400_000)] | None = None
 
@@ -205,12 +208,17 @@ class FrontEnd:
             raise InvalidInput("messages: a chat completion needs messages")
         if not chat and request.prompt is None:
             raise InvalidInput("prompt: a completion needs a prompt")
-        request.session = request.session or session
-        if request.session is not None:
+        named = [n for n in (request.session, request.session_id, session) if n is not None]
+        if len(set(named)) > 1:
+            raise InvalidInput("session, session_id and X-Session-ID name different sessions")
+        if session is not None:
             try:
-                request.session = str(uuid.UUID(request.session))
-            except ValueError:
-                raise InvalidInput("session: must be a UUID") from None
+                _SESSION_NAME.validate_python(session)
+            except ValidationError:
+                raise InvalidInput(
+                    "X-Session-ID: must be 1 to 128 visible ASCII characters"
+                ) from None
+        request.session = named[0] if named else None
         return request
 
     async def prompt(self, request: CompletionRequest, max_tokens: int) -> list[int]:
@@ -253,12 +261,13 @@ class FrontEnd:
             f"tenant:{tenant.name}", frozenset({Role.CLIENT}), frozenset({tenant.scope_id}),
             frozenset(),
         )  # fmt: skip
-        session = request.session or str(uuid.uuid4())
         sampler = request.sampler()
         placement = await self.service.place(
-            principal, tenant.name, self.compat_id, tokens, session, sampler,
-            max_tokens=max_tokens,
+            principal, tenant.name, self.compat_id, tokens, request.session or str(uuid.uuid4()),
+            sampler, max_tokens=max_tokens,
         )  # fmt: skip
+        session = placement.session
+        assert session is not None  # a placement for a named session names it
         instance = placement.decision.instance
         if instance is None:
             raise ServiceUnavailable(f"no instance can take the request: {placement.decision}")
@@ -514,12 +523,12 @@ def frontend_ops(frontend: FrontEnd, body_octets: int) -> list[Op]:
                                            "owned_by": "kvsp"}]}  # fmt: skip
         return Response(json.dumps(doc).encode(), media_type="application/json")
 
-    tenant = "a tenant's API key (Authorization: Bearer)"
     answer = {"type": "object"}
+    own = "the API key's tenant"
     return [
-        Op("POST", "v1/completions", handler(False), "an OpenAI completion", tenant,
-           CompletionRequest, {200: answer}),
-        Op("POST", "v1/chat/completions", handler(True), "an OpenAI chat completion", tenant,
-           CompletionRequest, {200: answer}),
-        Op("GET", "v1/models", models, "the model served", "anyone", answers={200: answer}),
+        Op("POST", "v1/completions", handler(False), "an OpenAI completion", ANYONE, own,
+           CompletionRequest, {200: answer}, api_key=True),
+        Op("POST", "v1/chat/completions", handler(True), "an OpenAI chat completion", ANYONE,
+           own, CompletionRequest, {200: answer}, api_key=True),
+        Op("GET", "v1/models", models, "the model served", ANYONE, answers={200: answer}),
     ]  # fmt: skip

@@ -44,7 +44,7 @@ from kvsp.controller.reshard import ReshardCoordinator, ReshardResult, propose
 from kvsp.controller.sessions import CheckpointAnswer, SessionTable
 from kvsp.controller.tenants import Tenants
 from kvsp.core.clock import Clock, SystemClock
-from kvsp.core.ids import parse_compat_id
+from kvsp.core.ids import parse_compat_id, tenant_session
 from kvsp.core.keys import BlockKeyChain
 from kvsp.core.problems import KvspError, NotFound, RecordError
 from kvsp.core.records import (
@@ -123,6 +123,8 @@ class Placement:
     prefetch_state: str | None = None
     loaded: tuple[str, ...] = ()
     session_epoch: int | None = None
+    #: the session's UUID (the tenant's name for it, namespaced: ``tenant_session``)
+    session: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc = self.decision.to_json()
@@ -136,6 +138,8 @@ class Placement:
             }
         if self.session_epoch is not None:
             doc["session_epoch"] = self.session_epoch
+        if self.session is not None:
+            doc["session"] = self.session
         return doc
 
 
@@ -338,8 +342,10 @@ class ControllerService:
         """Choose an instance for a prompt of ``tokens``; wake or launch one when needed, and
         prefetch its cached prefix where that pays."""
         authorize(principal, OPERATOR_ROLES)
-        tenant = self.config.tenants.get(tenant_name)
+        tenant = self.config.tenants.for_principal(principal, tenant_name)
         tenant.check_compat(compat_id)
+        if session is not None:  # the tenant's own name for it, in the tenant's namespace
+            session = tenant_session(tenant.scope_id, session)
         block_tokens = self.config.block_tokens
         chain = BlockKeyChain(tenant.scope_key, parse_compat_id(compat_id), block_tokens)
         keys = await _block_keys(chain, tokens, block_tokens)
@@ -380,7 +386,7 @@ class ControllerService:
             self._predictions[decision_id] = chosen.cost_us
             while len(self._predictions) > MAX_PREDICTIONS:
                 self._predictions.popitem(last=False)
-        placement = Placement(decision, keys, decision_id)
+        placement = Placement(decision, keys, decision_id, session=session)
         if decision.instance is None:
             return placement
         policy = self.config.placement
@@ -426,8 +432,8 @@ class ControllerService:
     ) -> list[dict[str, Any]]:
         """A turn of ``session`` is over (its output delivered): tell the instance holding its
         KV what the policy says; the outcomes."""
-        entry = self.sessions.get(session)
-        authorize(principal, OPERATOR_ROLES, scope=entry.scope_id)
+        authorize(principal, OPERATOR_ROLES)
+        entry = self.sessions.get_for(principal, session)
         entry.turn_done = True
         if self.session_hints is None:
             return []
@@ -438,7 +444,8 @@ class ControllerService:
 
     async def end_session(self, principal: Principal, session: str) -> list[dict[str, Any]]:
         """The session is over: the policy's last hints, then the instance forgets it."""
-        authorize(principal, OPERATOR_ROLES, scope=self.sessions.get(session).scope_id)
+        authorize(principal, OPERATOR_ROLES)
+        self.sessions.get_for(principal, session)
         entry = self.sessions.close(session)
         outcomes: list[dict[str, Any]] = []
         if self.session_hints is not None:

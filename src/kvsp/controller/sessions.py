@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvsp.auth import Principal
 from kvsp.core.problems import (
     ConfigurationError,
     Forbidden,
@@ -82,6 +83,14 @@ class SessionTable:
             raise NotFound(f"no session {session}")
         self._sessions.move_to_end(session)
         return found
+
+    def get_for(self, principal: Principal, session: str) -> Session:
+        """``session``, if ``principal`` may see its scope; ``NotFound`` otherwise, the same
+        answer as for a session nobody has (its existence is its tenant's business)."""
+        found = self._sessions.get(session)
+        if found is None or not principal.may_access_scope(found.scope_id):
+            raise NotFound(f"no session {session}")
+        return self.get(session)
 
     def open(
         self, first: SessionCheckpoint, instance: str, max_tokens: int | None = None

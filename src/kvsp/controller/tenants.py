@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvsp.auth import Principal
 from kvsp.core.ids import HEX32_PATTERN
 from kvsp.core.keys import scope_id
 from kvsp.core.problems import ConfigurationError, Forbidden, NotFound
@@ -93,6 +94,14 @@ class Tenants:
         found = self._tenants.get(name)
         if found is None:
             raise NotFound(f"no tenant {name!r}")
+        return found
+
+    def for_principal(self, principal: Principal, name: str) -> Tenant:
+        """The tenant ``name``, if ``principal`` may act in its scope; ``Forbidden`` otherwise,
+        and the same for a name no tenant has (tenant names are not revealed)."""
+        found = self._tenants.get(name)
+        if found is None or not principal.may_access_scope(found.scope_id):
+            raise Forbidden(f"principal {principal.name!r} may not act for tenant {name!r}")
         return found
 
     def by_api_key(self, key: str) -> Tenant | None:

@@ -9,6 +9,7 @@ records, URLs and the CLI carry.
 from __future__ import annotations
 
 import re
+import uuid
 from typing import NewType
 
 from kvsp.core.problems import KeyMaterialError
@@ -22,6 +23,7 @@ __all__ = [
     "parse_block_key",
     "parse_compat_id",
     "parse_scope_id",
+    "tenant_session",
 ]
 
 BlockKey = NewType("BlockKey", bytes)
@@ -51,3 +53,17 @@ def parse_compat_id(text: str) -> CompatId:
 
 def parse_scope_id(text: str) -> ScopeId:
     return ScopeId(_parse_hex(text, 16, "scope id"))
+
+
+#: the UUID namespace of kvsp's tenant sessions (uuid5 of the DNS name kvsp.session)
+_SESSIONS = uuid.uuid5(uuid.NAMESPACE_DNS, "kvsp.session")
+
+
+def tenant_session(scope_id: str, name: str) -> str:
+    """The session UUID of a tenant's session ``name`` (any string its client chose).
+
+    Session ids are namespaced by tenant: two tenants that pick the same name get different
+    sessions, so neither can see, block or squat the other's, and the UUID reveals nothing of
+    the name. The same tenant and name always give the same UUID (a conversation's later turns
+    find its session)."""
+    return str(uuid.uuid5(_SESSIONS, f"{scope_id}/{name}"))

@@ -74,6 +74,7 @@ __all__ = [
     "Residency",
     "Sampler",
     "SessionCheckpoint",
+    "SessionName",
     "Shard",
     "ShardMap",
     "StateAnswer",
@@ -106,6 +107,9 @@ U63 = Annotated[StrictInt, Field(ge=0, le=_U63_MAX)]
 PositiveU32 = Annotated[StrictInt, Field(ge=1, le=_U32_MAX)]
 PositiveU63 = Annotated[StrictInt, Field(ge=1, le=_U63_MAX)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=_U32_MAX)]
+#: a client's name for its session (visible ASCII, so it is safe to log): a UUID or any other
+#: name, namespaced by its tenant (``kvsp.core.ids.tenant_session``)
+SessionName = Annotated[StrictStr, Field(min_length=1, max_length=128, pattern=r"^[!-~]+$")]
 Rate = Annotated[StrictFloat | StrictInt, Field(gt=0, allow_inf_nan=False)]
 NonNegNumber = Annotated[StrictFloat | StrictInt, Field(ge=0, allow_inf_nan=False)]
 

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from kvsp.auth import Principals
+from kvsp.auth import Principals, Role
 from kvsp.core.digests import repr_digest
 from kvsp.core.ids import parse_block_key, parse_compat_id, parse_scope_id
 from kvsp.core.problems import InvalidInput, PreconditionRequired
@@ -28,22 +28,20 @@ from kvsp.core.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRec
 from kvsp.core.registries import BLOCK_MEDIA_TYPE, CODECS
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.service import HolderService
-from kvsp.web.openapi import HEALTH, Op, routes_of
+from kvsp.web.openapi import ANYONE, HEALTH, METRICS_ROLES, Op, principal_of, routes_of
 from kvsp.web.server import (
     AsgiEndpoint,
     ExactRoutes,
     InflightOctets,
-    header_value,
     install_problem_handlers,
     json_response,
     lifespan_of,
-    principal_of,
     read_body,
     read_json_body,
     routed_endpoints,
 )
 
-__all__ = ["BLOCK_GET", "block_ops", "create_app", "parse_block_query"]
+__all__ = ["BLOCK_GET", "HOLDER_BLOCK_ROLES", "block_ops", "create_app", "parse_block_query"]
 
 log = logging.getLogger("kvsp.holder")
 
@@ -87,14 +85,23 @@ def parse_block_query(query: bytes) -> tuple[int, int] | None:
     return int(match[1]), int(match[2])
 
 
-def block_ops(service: HolderService, principals: Principals) -> list[Op]:
-    """The block and lease routes of a holder (an inference instance mounts them too)."""
+#: who may read and lease a standalone holder's blocks, and store them there
+HOLDER_BLOCK_ROLES = (Role.CLIENT, Role.INSTANCE, Role.HOLDER)
+
+
+def block_ops(
+    service: HolderService,
+    get_roles: tuple[Role, ...] = HOLDER_BLOCK_ROLES,
+    put_roles: tuple[Role, ...] = HOLDER_BLOCK_ROLES,
+) -> list[Op]:
+    """The block and lease routes of a holder. An inference instance mounts them too, with
+    narrower roles: only its peers store blocks into it (the share path)."""
     inflight = InflightOctets(service.config.max_inflight_octets)
 
     async def get_block(scope: Scope, receive: Receive, send: Send) -> None:
+        principal = principal_of(scope)
         block = _block_of(scope["path_params"])
         layers = parse_block_query(scope["query_string"])
-        principal = principals.authenticate(header_value(scope, b"authorization"))
         read, sha256 = await service.get_block(principal, block, layers)
         header = read.header.encode()
         max_age = max(0, read.remaining_ttl_ms // 1000)
@@ -117,7 +124,7 @@ def block_ops(service: HolderService, principals: Principals) -> list[Op]:
 
     async def put_block(request: Request) -> Response:
         block = _block_of(request.path_params)
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         if request.headers.get("if-none-match", "").strip() != "*":
             raise PreconditionRequired("storing a block needs If-None-Match: *")
         service.check_put(principal, block)  # scope and duplicates before any body octet
@@ -131,7 +138,7 @@ def block_ops(service: HolderService, principals: Principals) -> list[Op]:
         return json_response(record.model_dump_json(exclude_none=True).encode(), 201)
 
     async def grant_lease(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         parsed = LeaseRequest.parse(await read_json_body(request, _JSON_BODY_OCTETS))
         grant = await service.grant_lease(principal, parsed)
         response = json_response(grant.model_dump_json().encode(), 201)
@@ -139,30 +146,32 @@ def block_ops(service: HolderService, principals: Principals) -> list[Op]:
         return response
 
     async def renew_lease(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         parsed = LeaseRenewal.parse(await read_json_body(request, _JSON_BODY_OCTETS))
         grant = await service.renew_lease(principal, request.path_params["lease"], parsed.ttl_ms)
         return json_response(grant.model_dump_json().encode())
 
     async def release_lease(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         await service.release_lease(principal, request.path_params["lease"])
         return Response(status_code=204)
 
     lease = "leases/{lease}"
     block = BLOCK.removeprefix(BASE)
     layers = {"type": "string", "pattern": "^[0-9]{1,5}-[0-9]{1,5}$"}
-    scoped = "a block role (client, holder, instance, controller) with the block's scope"
+    path = "the block's scope"
+    mine = "the lease's own principal"
     return [
-        Op("GET", block, AsgiEndpoint(get_block), "a block or a layer range (KVSP 6.7)", scoped,
-           answers={200: BLOCK_MEDIA_TYPE}, query={"layers": layers, "codec": {"type": "string"}}),
-        Op("PUT", block, put_block, "store a block once (KVSP 6.7; If-None-Match: *)", scoped,
-           BLOCK_MEDIA_TYPE, {201: ReplicaRecord}),
-        Op("POST", "leases", grant_lease, "lease blocks (KVSP 6.6)", scoped, LeaseRequest,
-           {201: LeaseGrant}),
-        Op("PUT", lease, renew_lease, "renew a lease", "the lease's holder", LeaseRenewal,
+        Op("GET", block, AsgiEndpoint(get_block), "a block or a layer range (KVSP 6.7)",
+           get_roles, path, answers={200: BLOCK_MEDIA_TYPE},
+           query={"layers": layers, "codec": {"type": "string"}}),
+        Op("PUT", block, put_block, "store a block once (KVSP 6.7; If-None-Match: *)", put_roles,
+           path, BLOCK_MEDIA_TYPE, {201: ReplicaRecord}),
+        Op("POST", "leases", grant_lease, "lease blocks (KVSP 6.6)", get_roles,
+           "the request's scope", LeaseRequest, {201: LeaseGrant}),
+        Op("PUT", lease, renew_lease, "renew a lease", get_roles, mine, LeaseRenewal,
            {200: LeaseGrant}),
-        Op("DELETE", lease, release_lease, "release a lease", "the lease's holder",
+        Op("DELETE", lease, release_lease, "release a lease", get_roles, mine,
            answers={204: None}),
     ]  # fmt: skip
 
@@ -176,12 +185,13 @@ def create_app(service: HolderService, principals: Principals) -> ExactRoutes:
         return Response(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
 
     ops = [
-        *block_ops(service, principals),
-        Op("GET", "healthz", healthz, "liveness", "anyone", answers={200: HEALTH}),
-        Op("GET", "metrics", metrics, "Prometheus text", "anyone", answers={200: "text/plain"}),
-    ]
+        *block_ops(service),
+        Op("GET", "healthz", healthz, "liveness", ANYONE, answers={200: HEALTH}),
+        Op("GET", "metrics", metrics, "Prometheus text", METRICS_ROLES,
+           answers={200: "text/plain"}),
+    ]  # fmt: skip
     app = Starlette(
-        routes=routes_of(BASE, "kvsp holder", ops),
+        routes=routes_of(BASE, "kvsp holder", ops, principals),
         lifespan=lifespan_of(service.start, service.close),
     )
     responder = install_problem_handlers(app, log, lambda slug: service.rejected.labels(slug).inc())

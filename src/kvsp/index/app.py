@@ -30,19 +30,18 @@ from kvsp.core.records import (
 )
 from kvsp.index.queries import decode_lookup
 from kvsp.index.service import IndexService
-from kvsp.index.state import check_path
-from kvsp.web.openapi import Op, obj, routes_of
+from kvsp.index.state import LOOKUP_ROLES, PUBLISH_ROLES, STATUS_ROLES, check_path
+from kvsp.web.openapi import ANYONE, METRICS_ROLES, Op, obj, principal_of, routes_of
 from kvsp.web.server import (
     AsgiEndpoint,
     ExactRoutes,
-    header_value,
     install_problem_handlers,
     json_response,
     lifespan_of,
     parse_json_object,
-    principal_of,
     read_body,
     read_json_body,
+    routed_endpoints,
     send_json,
 )
 
@@ -84,7 +83,7 @@ def create_app(
 ) -> ExactRoutes:
     async def publish(request: Request) -> Response:
         compat, scope, block_key = _block_path(request)
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         record = ReplicaRecord.parse(await read_json_body(request, max_body_octets))
         check_path(record, compat, scope, block_key)
         (outcome,) = await service.publish(principal, [record])
@@ -96,7 +95,7 @@ def create_app(
 
     async def withdraw(request: Request) -> Response:
         compat, scope, block_key = _block_path(request)
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         holder = request.query_params.get("holder")
         if holder is None:
             raise RecordError("DELETE needs ?holder=URL naming the replica's holder")
@@ -109,7 +108,7 @@ def create_app(
         return Response(status_code=204)
 
     async def batch(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         doc = parse_json_object(await read_json_body(request, max_body_octets))
         entries = sum(len(v) for k in ("put", "delete") if isinstance(v := doc.get(k), list))
         if entries > MAX_BATCH_ENTRIES:
@@ -118,12 +117,12 @@ def create_app(
 
     async def lookup(scope: Scope, receive: Receive, send: Send) -> None:
         """The hottest route, as a bare ASGI endpoint: no request or response objects."""
-        principal = principals.authenticate(header_value(scope, b"authorization"))
+        principal = principal_of(scope)
         query = decode_lookup(await read_body(scope, receive, max_body_octets))
         await send_json(send, await service.lookup(principal, query))
 
     async def status(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         parsed = InstanceStatusRecord.parse(await read_json_body(request, max_body_octets))
         await service.put_status(principal, parsed)
         return json_response(b'{"accepted":true}')
@@ -137,78 +136,29 @@ def create_app(
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     block = "replicas/{compat}/{scope}/{block_key}"
-    publisher = "role holder (or instance) with the record's holder in its holders, in its scope"
+    publisher = "the record's scope and holder"
+    ops = [
+        Op("PUT", block, publish, "publish a Replica Record (KVSP 6.1)", PUBLISH_ROLES,
+           publisher, ReplicaRecord, {200: _PUBLISHED, 201: _PUBLISHED}),
+        Op("DELETE", block, withdraw, "withdraw a replica (KVSP 6.1)", PUBLISH_ROLES, publisher,
+           answers={204: None}, query={"holder": {"type": "string"}}),
+        Op("POST", "replicas", batch, "publish and withdraw many (extension)", PUBLISH_ROLES,
+           "each entry's scope and holder", ReplicaBatch, {200: _BATCH_ANSWER}),
+        Op("POST", "lookup", AsgiEndpoint(lookup), "prefix lookup (KVSP 6.2)", LOOKUP_ROLES,
+           "the query's scope", LookupRequest, {200: LookupResponse}),
+        Op("PUT", "status", status, "an instance's status, for estimates (extension)",
+           STATUS_ROLES, "the instance's URL in its holders", InstanceStatusRecord,
+           {200: obj(["accepted"], accepted={"type": "boolean"})}),
+        Op("GET", "healthz", healthz, "liveness and the store's", ANYONE,
+           answers={200: obj(["status"], status={"type": "string"})}),
+        Op("GET", "metrics", metrics, "Prometheus text", METRICS_ROLES,
+           answers={200: "text/plain"}),
+    ]  # fmt: skip
     app = Starlette(
-        routes=routes_of(
-            BASE,
-            "kvsp Index Service",
-            [
-                Op(
-                    "PUT",
-                    block,
-                    publish,
-                    "publish a Replica Record (KVSP 6.1)",
-                    publisher,
-                    ReplicaRecord,
-                    {200: _PUBLISHED, 201: _PUBLISHED},
-                ),
-                Op(
-                    "DELETE",
-                    block,
-                    withdraw,
-                    "withdraw a replica (KVSP 6.1)",
-                    publisher,
-                    answers={204: None},
-                    query={"holder": {"type": "string"}},
-                ),
-                Op(
-                    "POST",
-                    "replicas",
-                    batch,
-                    "publish and withdraw many (extension)",
-                    publisher,
-                    ReplicaBatch,
-                    {200: _BATCH_ANSWER},
-                ),
-                Op(
-                    "POST",
-                    "lookup",
-                    AsgiEndpoint(lookup),
-                    "prefix lookup (KVSP 6.2)",
-                    "any principal with the scope",
-                    LookupRequest,
-                    {200: LookupResponse},
-                ),
-                Op(
-                    "PUT",
-                    "status",
-                    status,
-                    "an instance's status, for estimates (extension)",
-                    "role instance or controller, with the instance in its holders",
-                    InstanceStatusRecord,
-                    {200: obj(["accepted"], accepted={"type": "boolean"})},
-                ),
-                Op(
-                    "GET",
-                    "healthz",
-                    healthz,
-                    "liveness and the store's",
-                    "anyone",
-                    answers={200: obj(["status"], status={"type": "string"})},
-                ),
-                Op(
-                    "GET",
-                    "metrics",
-                    metrics,
-                    "Prometheus text",
-                    "anyone",
-                    answers={200: "text/plain"},
-                ),
-            ],
-        ),
+        routes=routes_of(BASE, "kvsp Index Service", ops, principals),
         lifespan=lifespan_of(service.store.start, service.store.close),
     )
     responder = install_problem_handlers(
         app, log, lambda slug: service.metrics.rejected.labels(slug).inc()
     )
-    return ExactRoutes(app, {("POST", BASE + "lookup"): lookup}, responder)
+    return ExactRoutes(app, routed_endpoints(app, ("POST", BASE + "lookup")), responder)

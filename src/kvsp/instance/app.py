@@ -16,7 +16,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from kvsp.auth import Principals
+from kvsp.auth import Principals, Role
 from kvsp.core.digests import repr_digest
 from kvsp.core.problems import InvalidInput
 from kvsp.core.records import (
@@ -38,14 +38,13 @@ from kvsp.core.registries import BLOCK_MEDIA_TYPE
 from kvsp.holder.app import BLOCK_GET, block_ops
 from kvsp.instance.hints import KvHints
 from kvsp.instance.service import InstanceService, TokenEvent
-from kvsp.web.openapi import Op, obj, routes_of
+from kvsp.web.openapi import ANYONE, METRICS_ROLES, Op, obj, principal_of, routes_of
 from kvsp.web.server import (
     ExactRoutes,
     install_problem_handlers,
     json_response,
     lifespan_of,
     parse_json_object,
-    principal_of,
     read_json_body,
     routed_endpoints,
 )
@@ -108,7 +107,7 @@ def create_app(service: InstanceService, principals: Principals) -> ExactRoutes:
         return await read_json_body(request, _BODY_OCTETS)
 
     async def generate(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         parsed = GenerateRequest.parse(await body(request))
         session = await service.generate(
             principal,
@@ -122,18 +121,20 @@ def create_app(service: InstanceService, principals: Principals) -> ExactRoutes:
         )
         headers = {"x-session-id": session.session}
         return StreamingResponse(
-            _lines(service.stream(session.session)), media_type=NDJSON, headers=headers
+            _lines(service.stream(session.session, 0, principal)),
+            media_type=NDJSON,
+            headers=headers,
         )
 
     async def tokens(request: Request) -> Response:
-        principal_of(request, principals)
+        principal = principal_of(request.scope)
         start = request.query_params.get("from", "0")
         first = int(start) if start.isdigit() else 0
-        events = service.stream(request.path_params["session"], first)
+        events = service.stream(request.path_params["session"], first, principal)
         return StreamingResponse(_lines(events), media_type=NDJSON)
 
     async def resume(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         raw = await body(request)
         checkpoint = SessionCheckpoint.parse(raw)
         extra = json.loads(raw)
@@ -152,7 +153,7 @@ def create_app(service: InstanceService, principals: Principals) -> ExactRoutes:
         )
 
     async def prefetch(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         directive = PrefetchDirective.parse(await body(request))
         await service.prefetch(principal, directive)
         response = json_response(b'{"accepted":true}', 202)
@@ -160,25 +161,23 @@ def create_app(service: InstanceService, principals: Principals) -> ExactRoutes:
         return response
 
     async def prefetch_status(request: Request) -> Response:
-        principal_of(request, principals)
         status = service.prefetch_status(request.path_params["directive"])
         return json_response(status.model_dump_json().encode())
 
     async def state(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         change = StateChange.parse(await body(request))
         now = service.set_state(principal, change.state)
         return json_response(json.dumps({"state": now.value}).encode())
 
     async def load_shard(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         parsed = ShardLoad.parse(await body(request))
         map_id = request.path_params["map"]
         await service.load_shard(principal, map_id, parsed.version, parsed.tokens, parsed.ranges)
         return json_response(json.dumps({"map": map_id, "version": parsed.version}).encode())
 
     async def shard(request: Request) -> Response:
-        principal_of(request, principals)
         map_id = request.path_params["map"]
         doc = {
             "map": map_id,
@@ -189,7 +188,6 @@ def create_app(service: InstanceService, principals: Principals) -> ExactRoutes:
         return json_response(json.dumps(doc).encode())
 
     async def shard_kv(request: Request) -> Response:
-        principal_of(request, principals)
         match = _RANGE.fullmatch(request.query_params.get("tokens", ""))
         if match is None:
             raise InvalidInput("tokens=a-b (a < b) is required")
@@ -199,7 +197,7 @@ def create_app(service: InstanceService, principals: Principals) -> ExactRoutes:
         return Response(octets, media_type=BLOCK_MEDIA_TYPE, headers=headers)
 
     async def reshard(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         await service.reshard(principal, parse_json_object(await body(request)))
         return json_response(b'{"ok":true}')
 
@@ -211,19 +209,18 @@ def create_app(service: InstanceService, principals: Principals) -> ExactRoutes:
         )
 
     async def hints(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         envelope = KvHints.parse(await body(request))
         outcomes = await service.hints(principal, envelope)
         answer = {"message_id": envelope.message_id, "outcomes": [o.to_json() for o in outcomes]}
         return json_response(json.dumps(answer).encode())
 
     async def end_session(request: Request) -> Response:
-        principal = principal_of(request, principals)
+        principal = principal_of(request.scope)
         released = await service.end_session(principal, request.path_params["session"])
         return json_response(json.dumps({"pins_released": released}).encode())
 
     async def events(request: Request) -> Response:
-        principal_of(request, principals)
         query = request.query_params
         after, limit, wait_ms = (
             _count(query, "after", 0, 1 << 62),
@@ -246,47 +243,53 @@ def create_app(service: InstanceService, principals: Principals) -> ExactRoutes:
         await service.holder.refresh_metrics()
         return Response(generate_latest(service.holder.registry), media_type=CONTENT_TYPE_LATEST)
 
-    controller = "role controller"
+    controller = (Role.CONTROLLER,)
+    peers = (Role.INSTANCE,)
     session_answer = obj(
         ["session", "epoch"], session={"type": "string"}, epoch={"type": "integer"}
     )
     ops = [
-        *block_ops(service.holder, principals),
+        # blocks come in only from peer instances, on the controller's share hint
+        *block_ops(service.holder, get_roles=(Role.INSTANCE, Role.CLIENT), put_roles=peers),
         Op("POST", "generate", generate, "generate for a prompt (a stream of tokens)",
-           "role controller or client", GenerateRequest, {200: NDJSON}),
+           (Role.CONTROLLER, Role.CLIENT), "the tenant's scope", GenerateRequest, {200: NDJSON}),
         Op("GET", "sessions/{session}/tokens", tokens, "a session's tokens from an index",
-           query={"from": {"type": "string"}}, answers={200: NDJSON}),
+           controller, "the session's scope", query={"from": {"type": "string"}},
+           answers={200: NDJSON}),
         Op("POST", "sessions/{session}/resume", resume, "resume a session (KVSP 6.8)",
-           controller, SessionCheckpoint, {200: session_answer}),
+           controller, "the checkpoint's scope", SessionCheckpoint, {200: session_answer}),
         Op("POST", "prefetch", prefetch, "a prefetch directive (KVSP 6.5)", controller,
-           PrefetchDirective, {202: obj(["accepted"], accepted={"type": "boolean"})}),
-        Op("GET", "prefetch/{directive}", prefetch_status, "a directive's progress",
+           "the directive's scope", PrefetchDirective,
+           {202: obj(["accepted"], accepted={"type": "boolean"})}),
+        Op("GET", "prefetch/{directive}", prefetch_status, "a directive's progress", controller,
            answers={200: PrefetchStatus}),
-        Op("PUT", "state", state, "wake or drain (KVSP 6.3)", controller, StateChange,
-           {200: StateAnswer}),
+        Op("PUT", "state", state, "wake or drain (KVSP 6.3)", controller, body=StateChange,
+           answers={200: StateAnswer}),
         Op("POST", "reshard", reshard, "a reshard plan, commit or abort (KVSP 6.9)", controller,
-           {"type": "object"}, {200: obj(["ok"], ok={"type": "boolean"})}),
+           body={"type": "object"}, answers={200: obj(["ok"], ok={"type": "boolean"})}),
         Op("GET", "shards/{map}", shard, "what this instance holds of a shard map",
-           answers={200: {"type": "object"}}),
+           (Role.CONTROLLER, Role.INSTANCE), answers={200: {"type": "object"}}),
         Op("POST", "shards/{map}/load", load_shard, "compute and hold shard ranges", controller,
-           ShardLoad, {200: obj(["map", "version"], map={"type": "string"},
-                                version={"type": "integer"})}),
-        Op("GET", "shards/{map}/kv", shard_kv, "the KV of a token range",
-           query={"tokens": {"type": "string"}}, answers={200: BLOCK_MEDIA_TYPE}),
-        Op("POST", "hints", hints, "KvHints (session-aware KV)", controller, KvHints,
-           {200: {"type": "object"}}),
+           body=ShardLoad, answers={200: obj(["map", "version"], map={"type": "string"},
+                                             version={"type": "integer"})}),
+        Op("GET", "shards/{map}/kv", shard_kv, "the KV of a token range (a peer's reshard)",
+           peers, query={"tokens": {"type": "string"}}, answers={200: BLOCK_MEDIA_TYPE}),
+        Op("POST", "hints", hints, "KvHints (session-aware KV)", controller,
+           "each target's scope", KvHints, {200: {"type": "object"}}),
         Op("DELETE", "sessions/{session}", end_session, "end a session here", controller,
+           "the session's scope",
            answers={200: obj(["pins_released"], pins_released={"type": "integer"})}),
-        Op("GET", "events", events, "KV events after a sequence number",
+        Op("GET", "events", events, "KV events after a sequence number", controller,
            query={"after": {"type": "string"}, "limit": {"type": "string"},
                   "wait_ms": {"type": "string"}}, answers={200: {"type": "object"}}),
-        Op("GET", "status", status, "this instance's status record",
+        Op("GET", "status", status, "this instance's status record", controller,
            answers={200: InstanceStatusRecord}),
-        Op("GET", "healthz", healthz, "liveness", "anyone", answers={200: {"type": "object"}}),
-        Op("GET", "metrics", metrics, "Prometheus text", "anyone", answers={200: "text/plain"}),
+        Op("GET", "healthz", healthz, "liveness", ANYONE, answers={200: {"type": "object"}}),
+        Op("GET", "metrics", metrics, "Prometheus text", METRICS_ROLES,
+           answers={200: "text/plain"}),
     ]  # fmt: skip
     app = Starlette(
-        routes=routes_of(base, "kvsp inference instance", ops),
+        routes=routes_of(base, "kvsp inference instance", ops, principals),
         lifespan=lifespan_of(service.start, service.close),
     )
     responder = install_problem_handlers(

@@ -47,7 +47,7 @@ from kvsp.auth import Principal, Role, authorize
 from kvsp.controller.tenants import Tenant, Tenants
 from kvsp.core.clock import SystemClock
 from kvsp.core.container import Container
-from kvsp.core.ids import parse_block_key, parse_compat_id
+from kvsp.core.ids import parse_block_key, parse_compat_id, tenant_session
 from kvsp.core.keys import BlockKeyChain
 from kvsp.core.problems import (
     AlreadyStored,
@@ -572,13 +572,16 @@ class InstanceService:
         authorize(principal, (Role.CONTROLLER, Role.CLIENT))
         if kv_hints is not None:
             authorize(principal, Role.CONTROLLER)
+        tenant = self.config.tenants.for_principal(principal, tenant_name)
+        if session_id is not None and not principal.has_any_role((Role.CONTROLLER,)):
+            # a client's own name for a session, in its tenant's namespace
+            session_id = tenant_session(tenant.scope_id, session_id)
         if self.state is not InstanceState.ACTIVE:
             raise ServiceUnavailable(f"instance is {self.state}; it accepts no new sessions")
         if not tokens:
             raise InvalidInput("a prompt needs at least one token")
         cap = min(max_tokens or self.config.max_tokens, self.config.max_tokens)
         self.bounds.check(tokens, cap)
-        tenant = self.config.tenants.get(tenant_name)
         b = self.block_tokens
         cut = (len(tokens) - 1) // b
         compat = parse_compat_id(self.compat_id)
@@ -799,11 +802,14 @@ class InstanceService:
             )
         session.notify()
 
-    def stream(self, session_id: str, start: int = 0) -> AsyncIterator[TokenEvent | dict[str, Any]]:
+    def stream(
+        self, session_id: str, start: int, principal: Principal
+    ) -> AsyncIterator[TokenEvent | dict[str, Any]]:
         """Released tokens from index ``start`` as they come, then a summary; ``NotFound``
-        at once (before any answer starts) for a session not here."""
+        at once (before any answer starts) for a session not here, or not in a scope of
+        ``principal`` (the same answer: a session's existence is its tenant's business)."""
         session = self.sessions.get(session_id)
-        if session is None:
+        if session is None or not principal.may_access_scope(session.tenant.scope_id):
             raise NotFound(f"no session {session_id} here")
         return self._released(session, start)
 

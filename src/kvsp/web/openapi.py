@@ -18,18 +18,25 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Route, request_response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvsp.auth import Principal, Principals, Role, authorize
 from kvsp.core.registries import JSON_MEDIA_TYPE, PROBLEM_MEDIA_TYPE
+from kvsp.web.server import AsgiEndpoint, header_value
 
 __all__ = [
+    "ANYONE",
     "HEALTH",
+    "METRICS_ROLES",
     "PATH_PARAMETERS",
     "PROBLEM_SCHEMA",
     "Body",
     "Op",
+    "access_rows",
     "obj",
     "openapi_document",
+    "principal_of",
     "routes_of",
 ]
 
@@ -75,24 +82,82 @@ def obj(required: Sequence[str] = (), **properties: dict[str, Any]) -> dict[str,
     return {"type": "object", "required": list(required), "properties": properties}
 
 
+#: the roles of a route anyone may call, with no token
+ANYONE: tuple[Role, ...] = ()
+#: ``GET metrics`` names scopes and principals: a scraper's token (role metrics) or an admin's
+METRICS_ROLES = (Role.METRICS,)
+_PRINCIPAL = "kvsp.principal"
+
+
 @dataclass(frozen=True)
 class Op:
-    """One route: where, what it takes and answers, and who may call it."""
+    """One route: where, what it takes and answers, and who may call it.
+
+    ``roles`` is checked before the endpoint runs, so a caller without one of them learns
+    nothing about what the route holds (no lookup, no validation of its input has happened);
+    a ``{scope}`` in the path is checked there too. ``scope`` says, for the access table in
+    docs/api.md, which scope the endpoint checks itself ("" for none).
+    """
 
     method: str
     path: str
     endpoint: Any
     summary: str
-    who: str = "any authenticated principal"
+    roles: tuple[Role, ...]
+    scope: str = ""
     body: Body = None
     #: status -> what that answer carries
     answers: dict[int, Body] = field(default_factory=lambda: {200: None})
     #: query parameters (name -> schema)
     query: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the caller is a tenant's API key (the OpenAI front end), which the endpoint checks
+    api_key: bool = False
+
+    @property
+    def callers(self) -> str:
+        if self.api_key:
+            return "tenant API key"
+        return ", ".join(r.value for r in self.roles) or "anyone"
+
+    @property
+    def who(self) -> str:
+        if self.api_key:
+            return f"a tenant's API key (Authorization: Bearer), for {self.scope}"
+        if not self.roles:
+            return "anyone"
+        names = " or ".join(r.value for r in self.roles)
+        return f"role {names}" + (f", in {self.scope}" if self.scope else "")
 
 
-def routes_of(base: str, title: str, ops: Sequence[Op]) -> list[Route]:
-    """Starlette routes for ``ops``, and ``GET {base}openapi.json`` describing them."""
+def principal_of(scope: Scope) -> Principal:
+    """The principal ``routes_of`` authenticated for the request of ``scope``."""
+    principal: Principal = scope[_PRINCIPAL]
+    return principal
+
+
+class _Guarded:
+    """An endpoint behind its roles: the token is authenticated, the roles (and a ``{scope}``
+    of the path) authorized, before the endpoint sees the request."""
+
+    def __init__(self, op: Op, principals: Principals) -> None:
+        endpoint = self.endpoint = op.endpoint
+        self._app: ASGIApp = (
+            endpoint if isinstance(endpoint, AsgiEndpoint) else request_response(endpoint)
+        )
+        self._roles = op.roles
+        self._principals = principals
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._roles:
+            principal = self._principals.authenticate(header_value(scope, b"authorization"))
+            authorize(principal, self._roles, scope=scope.get("path_params", {}).get("scope"))
+            scope[_PRINCIPAL] = principal
+        await self._app(scope, receive, send)
+
+
+def routes_of(base: str, title: str, ops: Sequence[Op], principals: Principals) -> list[Route]:
+    """Starlette routes for ``ops``, each behind its roles, and ``GET {base}openapi.json``
+    describing them."""
     text: list[bytes] = []
 
     async def openapi(_: Request) -> Response:
@@ -102,16 +167,17 @@ def routes_of(base: str, title: str, ops: Sequence[Op]) -> list[Route]:
 
     described = [
         *ops,
-        Op(
-            "GET",
-            "openapi.json",
-            openapi,
-            "this document",
-            "anyone",
-            answers={200: {"type": "object"}},
-        ),
+        Op("GET", "openapi.json", openapi, "this document", ANYONE,
+           answers={200: {"type": "object"}}),
+    ]  # fmt: skip
+    return [
+        Route(base + op.path, _Guarded(op, principals), methods=[op.method]) for op in described
     ]
-    return [Route(base + op.path, op.endpoint, methods=[op.method]) for op in described]
+
+
+def access_rows(ops: Sequence[Op]) -> list[str]:
+    """The access table's rows (markdown) of ``ops``: route, roles, scope checked."""
+    return [f"| `{op.method} {op.path}` | {op.callers} | {op.scope or '-'} |" for op in ops]
 
 
 def _content(body: Body, models: dict[type[BaseModel], str]) -> dict[str, Any] | None:

@@ -24,7 +24,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvsp.auth import Principal, Principals
 from kvsp.core.problems import (
     InvalidInput,
     KvspError,
@@ -47,7 +46,6 @@ __all__ = [
     "json_response",
     "lifespan_of",
     "parse_json_object",
-    "principal_of",
     "read_body",
     "read_json_body",
     "routed_endpoints",
@@ -336,8 +334,3 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise RecordError("body must be a JSON object")
     return doc
-
-
-def principal_of(request: Request, principals: Principals) -> Principal:
-    """The authenticated principal of ``request`` (401 if the token is missing or unknown)."""
-    return principals.authenticate(header_value(request.scope, b"authorization"))

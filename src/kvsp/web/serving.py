@@ -29,6 +29,7 @@ import contextlib
 import functools
 import json
 import logging
+import re
 import select
 import sys
 from dataclasses import dataclass, fields, replace
@@ -54,7 +55,10 @@ __all__ = [
     "FrontDoor",
     "HeldWrites",
     "HttpProtocol",
+    "PrintableFormatter",
+    "configure_logs",
     "parse_front_door",
+    "printable",
     "serve",
     "uvicorn_config",
 ]
@@ -402,11 +406,41 @@ def uvicorn_config(
     )
 
 
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character escaped (``\\x0a``): a value a client sent (a path,
+    a header, a name) cannot start a forged line in a log."""
+    return _CONTROLS.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
+
+
+class PrintableFormatter(logging.Formatter):
+    """Log lines whose message has its control characters escaped; a traceback keeps its
+    lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
+
+def configure_logs(log_level: str) -> None:
+    """The ``kvsp`` loggers of a service process: ``log_level`` and up, one line each, to
+    standard error."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("kvsp")
+    root.handlers[:] = [handler]
+    root.setLevel(log_level.upper())
+    root.propagate = False
+
+
 def serve(
     app: Any, host: str, port: int, log_level: str = "info", front_door: FrontDoor | None = None
 ) -> None:
     """Run ``app`` until the process is stopped, as ``uvicorn.run`` would: a server that could
     not start (its port taken) ends the process with uvicorn's startup-failure status."""
+    configure_logs(log_level)
     server = uvicorn.Server(uvicorn_config(app, host, port, log_level, front_door=front_door))
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
