@@ -27,6 +27,7 @@ from kvsp.core.ids import parse_block_key, parse_compat_id
 from kvsp.core.keys import ROOT_PARENT, block_keys, scope_id
 from kvsp.core.problems import InvalidInput, KvspError
 from kvsp.core.registries import CODEC_RAW
+from kvsp.quotas import Quotas, parse_octets
 from kvsp.sim.scenario import DEFAULT_SCENARIO
 
 if TYPE_CHECKING:
@@ -67,6 +68,20 @@ instance_app = typer.Typer(
 app.add_typer(instance_app, name="instance")
 model_app = typer.Typer(help="The default model (SmolLM2-135M-Instruct).", no_args_is_help=True)
 app.add_typer(model_app, name="model")
+tenants_app = typer.Typer(help="The tenants file (scope keys, API keys, quotas).",
+                          no_args_is_help=True)  # fmt: skip
+app.add_typer(tenants_app, name="tenants")
+
+
+@tenants_app.command("quotas")
+def tenants_quotas_command(
+    tenants: Annotated[Path, typer.Argument(help="tenants file (TOML, secret)")],
+) -> None:
+    """Print the tenants' quotas keyed by Scope ID (no secret in it): the --quotas file of
+    holders and the Index Service."""
+    from kvsp.controller.tenants import Tenants
+
+    sys.stdout.write(Tenants.load(tenants).quotas.to_toml())
 
 
 def _read_bytes(path: Path, what: str) -> bytes:
@@ -277,6 +292,12 @@ def index_serve_command(
     max_ttl_ms: Annotated[int, typer.Option("--max-ttl-ms", min=1)] = 600_000,
     max_records: Annotated[int, typer.Option("--max-records", min=1)] = 5_000_000,
     max_instances: Annotated[int, typer.Option("--max-instances", min=1)] = 65_536,
+    max_scope_records: Annotated[
+        int, typer.Option("--max-scope-records", min=1, help="records per scope by default")
+    ] = 1_000_000,
+    quotas: Annotated[
+        Path | None, typer.Option("--quotas", help="per-scope quotas (kvsp tenants quotas)")
+    ] = None,
     max_layers: Annotated[int, typer.Option("--max-layers", min=1, max=65_535)] = 1024,
     max_body_bytes: Annotated[str, typer.Option("--max-body-bytes")] = "16M",
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
@@ -290,24 +311,17 @@ def index_serve_command(
     from kvsp.index.stores import open_store
 
     limits = IndexLimits(
-        max_ttl_ms=max_ttl_ms, max_records=max_records, max_instances=max_instances
+        max_ttl_ms=max_ttl_ms,
+        max_records=max_records,
+        max_instances=max_instances,
+        max_scope_records=max_scope_records,
+        quotas=Quotas.load(quotas),
     )
     replica_store = open_store(store, limits, SystemClock())
     principals = _principals(auth, host)
     service = IndexService(replica_store, max_layers=max_layers)
     app = create_app(service, principals, parse_octets(max_body_bytes))
     _serve(app, host, port, log_level, http_limit)
-
-
-_SIZE = re.compile(r"([0-9]+)\s*([KMGT]?)i?B?", re.IGNORECASE)
-
-
-def parse_octets(text: str) -> int:
-    """An octet count: an integer, optionally with K, M, G or T (powers of 1024)."""
-    match = _SIZE.fullmatch(text.strip())
-    if match is None:
-        raise InvalidInput(f"{text!r} is not a size (e.g. 1048576, 512M, 4G)")
-    return int(match[1]) << (10 * " KMGT".index(match[2].upper() or " "))
 
 
 def _read_token(path: Path | None) -> str | None:
@@ -334,7 +348,15 @@ def holder_serve_command(
     auth: Annotated[Path | None, typer.Option("--auth", help="principals file (TOML)")] = None,
     disk_dir: Annotated[Path | None, typer.Option("--disk-dir")] = None,
     disk_bytes: Annotated[str, typer.Option("--disk-bytes")] = "0",
-    lease_quota_bytes: Annotated[str, typer.Option("--lease-quota-bytes")] = "1G",
+    lease_quota_bytes: Annotated[
+        str, typer.Option("--lease-quota-bytes", help="leased octets per scope by default")
+    ] = "256M",
+    max_leases: Annotated[
+        int, typer.Option("--max-leases", min=1, help="valid leases per scope by default")
+    ] = 4096,
+    quotas: Annotated[
+        Path | None, typer.Option("--quotas", help="per-scope quotas (kvsp tenants quotas)")
+    ] = None,
     lease_max_ttl_ms: Annotated[int, typer.Option("--lease-max-ttl-ms", min=1)] = 60_000,
     record_ttl_ms: Annotated[int, typer.Option("--record-ttl-ms", min=2)] = 600_000,
     max_block_bytes: Annotated[str, typer.Option("--max-block-bytes")] = "256M",
@@ -355,8 +377,11 @@ def holder_serve_command(
         disk_dir=disk_dir,
         disk_bytes=parse_octets(disk_bytes),
         leases=LeaseLimits(
-            quota_octets=parse_octets(lease_quota_bytes), max_ttl_ms=lease_max_ttl_ms
+            quota_octets=parse_octets(lease_quota_bytes),
+            max_ttl_ms=lease_max_ttl_ms,
+            max_leases=max_leases,
         ),
+        quotas=Quotas.load(quotas),
         record_ttl_ms=record_ttl_ms,
         max_block_octets=parse_octets(max_block_bytes),
         max_layers=max_layers,

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from kvsp.auth import token_sha256
+from kvsp.controller.tenants import Tenants
 from kvsp.core.keys import scope_id
 from kvsp.core.problems import ServiceUnavailable
 from kvsp.instance.model import installed
@@ -142,23 +143,21 @@ class LocalCluster:
         ]
         self.metrics_token = tokens["metrics"]
         auth = str(self._write("principals.toml", "\n".join(principals)))
-        tenants = str(
-            self._write(
-                "tenants.toml",
-                "\n".join(
-                    f'[tenants.{name}]\nscope_key = "{scope_keys[name]}"\n'
-                    f'compat_ids = ["{compat}"]\napi_keys_sha256 = ["{token_sha256(key)}"]\n'
-                    for name, key in self.api_keys.items()
-                ),
-            )
+        tenants_text = "\n".join(
+            f'[tenants.{name}]\nscope_key = "{scope_keys[name]}"\n'
+            f'compat_ids = ["{compat}"]\napi_keys_sha256 = ["{token_sha256(key)}"]\n'
+            for name, key in self.api_keys.items()
         )
+        tenants = str(self._write("tenants.toml", tenants_text))
+        # the holder and the IS get the tenants' quotas by Scope ID, never their keys
+        quotas = str(self._write("quotas.toml", Tenants.parse(tenants_text).quotas.to_toml()))
         controller_token = str(self._write("controller.token", tokens["controller"]))
         holder_token = str(self._write("holder.token", tokens["holder"]))
         logs = self.folder / "logs"
         logs.mkdir(exist_ok=True)
         index = Process(
-            "index", ["index", "serve", "--auth", auth, "--log-level", "warning"], index_port,
-            logs / "index.log",
+            "index", ["index", "serve", "--auth", auth, "--quotas", quotas, "--log-level",
+                      "warning"], index_port, logs / "index.log",
         )  # fmt: skip
         controller = Process(
             "controller",
@@ -170,8 +169,8 @@ class LocalCluster:
         holder = Process(
             "holder",
             ["holder", "serve", "--url", holder_url, "--host-bytes", self.holder_bytes, "--index",
-             index.url, "--index-token-file", holder_token, "--auth", auth, "--log-level",
-             "warning"],
+             index.url, "--index-token-file", holder_token, "--auth", auth, "--quotas", quotas,
+             "--log-level", "warning"],
             holder_port, logs / "holder.log",
         )  # fmt: skip
         self.processes = [index, controller, holder]

@@ -90,7 +90,7 @@ async def test_every_block_is_leased_fetched_verified_and_held(target: Target) -
     for n in (1, 2, 3):
         held = await target.holder.call(lambda n=n: target.holder.store.get(block_id(n)))
         assert b"".join(bytes(p) for p in held.parts) == bytes(container(n).parts[1])
-    assert target.env.service.leases.octets_by_client() == {}  # every lease released
+    assert target.env.service.leases.octets_by_scope() == {}  # every lease released
 
 
 async def test_a_block_without_a_listed_source_ends_the_chain(target: Target) -> None:

@@ -102,18 +102,19 @@ async def test_placement_prefetch_and_failover_across_real_services(tmp_path: Pa
 
         placed = (await pc.post("place", json={**body, "session": SESSION})).json()
         assert placed["instance"] == i1
+        sid = placed["session"]  # the tenant's name for it, namespaced
         for _ in range(40):  # I1 goes silent; I2 keeps reporting
             await report(i2, "i2", queued=1)
             if stand_ins[1].of("resume"):
                 break
             await asyncio.sleep(0.1)
         (resume,) = stand_ins[1].of("resume")
-        assert resume["session"] == SESSION
+        assert resume["session"] == sid
         assert resume["epoch"] == 1
         assert resume["prompt_blocks"] == keys[:4]  # the last prompt token stays in the tail
         assert resume["prompt_tail"] == TOKENS[64:]
         for _ in range(40):  # the session moves once I2 has answered the resume
-            view = (await pc.get(f"sessions/{SESSION}")).json()
+            view = (await pc.get(f"sessions/{sid}")).json()
             if view["instance"] == i2:
                 break
             await asyncio.sleep(0.05)

@@ -7,6 +7,13 @@ controller and instances read this file, and no key is ever logged or shown (``r
     scope_key = "<hex, at least 32 octets>"
     api_keys_sha256 = ["<hex SHA-256 of an API key of the front end>"]
     compat_ids = ["<hex32>"]             # the cache configurations the tenant may use
+    [tenants.acme.quota]                 # optional: this tenant's quotas (kvsp.quotas)
+    stored_octets = "1G"
+
+    [quota]                              # optional: every tenant's quotas
+
+``kvsp tenants quotas FILE`` prints the quotas keyed by Scope ID (no key in it), for holders and
+the Index Service, which never read this file.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from kvsp.auth import Principal
 from kvsp.core.ids import HEX32_PATTERN
 from kvsp.core.keys import scope_id
 from kvsp.core.problems import ConfigurationError, Forbidden, NotFound
+from kvsp.quotas import Quotas, parse_quota
 
 __all__ = ["Tenant", "Tenants"]
 
@@ -66,8 +74,10 @@ def _tenant(name: str, entry: Any) -> Tenant:
 
 
 class Tenants:
-    def __init__(self, tenants: Mapping[str, Tenant]) -> None:
+    def __init__(self, tenants: Mapping[str, Tenant], quotas: Quotas | None = None) -> None:
         self._tenants = dict(tenants)
+        #: each tenant's quotas, by Scope ID
+        self.quotas = quotas or Quotas()
         scopes = [t.scope_id for t in tenants.values()]
         if len(set(scopes)) != len(scopes):
             raise ConfigurationError("two tenants share a scope key")
@@ -81,7 +91,16 @@ class Tenants:
         tables = doc.get("tenants")
         if not isinstance(tables, dict) or not tables:
             raise ConfigurationError("tenants file needs at least one [tenants.NAME] table")
-        return cls({name: _tenant(name, entry) for name, entry in tables.items()})
+        tenants = {name: _tenant(name, entry) for name, entry in tables.items()}
+        quotas = Quotas(
+            parse_quota(doc.get("quota", {}), "[quota]"),
+            {
+                tenants[name].scope_id: parse_quota(entry["quota"], f"[tenants.{name}.quota]")
+                for name, entry in tables.items()
+                if "quota" in entry
+            },
+        )
+        return cls(tenants, quotas)
 
     @classmethod
     def load(cls, path: Path | str) -> Tenants:

@@ -271,7 +271,13 @@ class HolderClient(ClosingClient):
         whole_digest: bool = True,
     ) -> AsyncIterator[tuple[Response, BlockReceiver, memoryview | None]]:
         """The response, its receiver, and the sink to name when filling (None: the body
-        arrives in the caller's ``buffer`` from the head on)."""
+        arrives in the caller's ``buffer`` from the head on). A layer range only of a record
+        with layer digests: without them nothing could check the layers before they are used."""
+        if layers is not None and record.layer_digests is None:
+            raise DigestError(
+                f"the record of {record.block_key[:16]} has no layer digests: "
+                "it is fetched whole, never by layer range"
+            )
         block = (record.compat_id, record.scope_id, record.block_key)
         params = None if layers is None else {"layers": f"{layers[0]}-{layers[1]}"}
         path = block_ref(block)

@@ -1,9 +1,12 @@
 """Leases (KVSP 6.6), pure and Clock-injected: while a lease is valid its blocks are not evicted.
 
-Each client (an authenticated principal) has a quota of leased octets (the sizes of the blocks
-of all its valid leases, a block counted once per lease) and a maximum lease TTL; a longer TTL
-is clipped to the maximum and the grant says so, more octets than the quota is
-``LeaseQuotaExceeded`` and grants nothing. Leases expire on their own: expiry pops a heap of
+Each scope (tenant) has a quota of leased octets (the sizes of the blocks of all its valid
+leases, a block counted once per lease, whichever of its principals holds them) and of valid
+leases, its own from the quotas file (``kvsp.quotas``) or the holder's defaults, so one tenant
+can never lease a holder full for another; a principal acting for several scopes (an admin)
+has each scope's quota, not one more. A longer TTL than the maximum is clipped and the grant
+says so; more octets or leases than the quota is ``LeaseQuotaExceeded`` naming the quota, and
+grants nothing. Leases expire on their own: expiry pops a heap of
 deadlines, so it costs O(expired). A lease is visible only to the client that holds it; another
 client's lease id answers 404 like an unknown one.
 """
@@ -20,15 +23,17 @@ from kvsp.core.clock import Clock
 from kvsp.core.problems import ConfigurationError, LeaseQuotaExceeded, NotFound
 from kvsp.core.records import LeaseGrant
 from kvsp.holder.blocks import BlockId
+from kvsp.quotas import Quotas
 
 __all__ = ["LeaseLimits", "LeaseTable"]
 
 
 @dataclass(frozen=True, slots=True)
 class LeaseLimits:
-    quota_octets: int = 1 << 30
+    #: leased octets per scope, where the quotas file sets none
+    quota_octets: int = 256 << 20
     max_ttl_ms: int = 60_000
-    #: valid leases per client, so lease ids cannot pin memory
+    #: valid leases per scope where the quotas file sets none, so lease ids cannot pin memory
     max_leases: int = 4096
 
     def __post_init__(self) -> None:
@@ -39,15 +44,17 @@ class LeaseLimits:
 @dataclass(slots=True)
 class _Lease:
     client: str
+    scope: str
     blocks: tuple[BlockId, ...]
     octets: int
     expires_at: int
 
 
 class LeaseTable:
-    def __init__(self, clock: Clock, limits: LeaseLimits) -> None:
+    def __init__(self, clock: Clock, limits: LeaseLimits, quotas: Quotas | None = None) -> None:
         self.clock = clock
         self.limits = limits
+        self.quotas = quotas or Quotas()
         self._leases: dict[str, _Lease] = {}
         self._deadlines: list[tuple[int, str]] = []
         self._pins: Counter[BlockId] = Counter()
@@ -60,25 +67,30 @@ class LeaseTable:
         return ttl_ms, False
 
     def grant(self, client: str, blocks: Sequence[tuple[BlockId, int]], ttl_ms: int) -> LeaseGrant:
-        """A new lease on ``blocks`` (each with its size in octets), all held by the caller's
-        check; beyond the client's quota nothing is granted."""
+        """A new lease on ``blocks`` (each with its size in octets, all of one scope), all held
+        by the caller's check; beyond the scope's quota nothing is granted."""
         self.expire()
+        scope = blocks[0][0][1] if blocks else ""
         octets = sum(size for _, size in blocks)
-        if self._octets[client] + octets > self.limits.quota_octets:
+        quota = self.quotas.limit(scope, "leased_octets", self.limits.quota_octets)
+        if self._octets[scope] + octets > quota:
             raise LeaseQuotaExceeded(
-                f"{octets} more leased octets would exceed the quota of "
-                f"{self.limits.quota_octets} ({self._octets[client]} already leased)"
+                f"{octets} more leased octets would exceed scope {scope}'s leased-octets quota "
+                f"of {quota} ({self._octets[scope]} already leased)"
             )
-        if self._count[client] >= self.limits.max_leases:
-            raise LeaseQuotaExceeded(f"at most {self.limits.max_leases} valid leases per client")
+        most = self.quotas.limit(scope, "leases", self.limits.max_leases)
+        if self._count[scope] >= most:
+            raise LeaseQuotaExceeded(f"scope {scope} is at its quota of {most} valid leases")
         granted, clipped = self._clip(ttl_ms)
         lease_id = secrets.token_urlsafe(18)
-        lease = _Lease(client, tuple(b for b, _ in blocks), octets, self.clock.now_ms() + granted)
+        lease = _Lease(
+            client, scope, tuple(b for b, _ in blocks), octets, self.clock.now_ms() + granted
+        )
         self._leases[lease_id] = lease
         heapq.heappush(self._deadlines, (lease.expires_at, lease_id))
         self._pins.update(lease.blocks)
-        self._octets[client] += octets
-        self._count[client] += 1
+        self._octets[scope] += octets
+        self._count[scope] += 1
         return LeaseGrant(lease=lease_id, ttl_ms=granted, clipped=clipped)
 
     def _own(self, client: str, lease_id: str) -> _Lease:
@@ -104,10 +116,10 @@ class LeaseTable:
         for block in lease.blocks:
             if self._pins[block] <= 0:
                 del self._pins[block]
-        self._octets[lease.client] -= lease.octets
-        self._count[lease.client] -= 1
-        if not self._count[lease.client]:
-            del self._octets[lease.client], self._count[lease.client]
+        self._octets[lease.scope] -= lease.octets
+        self._count[lease.scope] -= 1
+        if not self._count[lease.scope]:
+            del self._octets[lease.scope], self._count[lease.scope]
 
     def expire(self) -> int:
         """End every lease whose TTL has passed; returns how many."""
@@ -138,6 +150,6 @@ class LeaseTable:
     def leased_count(self) -> int:
         return len(self._pins)  # leases past their deadline not yet expired included
 
-    def octets_by_client(self) -> dict[str, int]:
+    def octets_by_scope(self) -> dict[str, int]:
         self.expire()
         return dict(self._octets)

@@ -58,6 +58,7 @@ from kvsp.holder.store import (
 )
 from kvsp.holder.tiers import DiskTier, MemoryTier
 from kvsp.index.client import IndexClient
+from kvsp.quotas import Quotas
 from kvsp.tasks import cancel_all
 
 __all__ = ["BLOCK_ROLES", "HolderConfig", "HolderService"]
@@ -97,6 +98,8 @@ class HolderConfig:
     max_inflight_octets: int = 1 << 30
     index_url: str | None = None
     index_token: str | None = None
+    #: per scope: stored octets, leased octets and leases (``kvsp.quotas``)
+    quotas: Quotas = field(default_factory=Quotas)
 
     def tiers(self) -> tuple[list[TierSpec], dict[Tier, TierData]]:
         specs = [TierSpec("host", self.host_bytes, self.host_read_mbit_per_s)]
@@ -143,7 +146,7 @@ class HolderService:
             specs.insert(0, TierSpec("device", device[0]))
             data["device"] = device[1]
         self._disk = data.get("disk")
-        self.leases = LeaseTable(self.clock, config.leases)
+        self.leases = LeaseTable(self.clock, config.leases, config.quotas)
         protected: LeaseView = self.leases if in_use is None else Protected(self.leases, in_use)
         self.store = BlockStore(
             specs,
@@ -153,6 +156,7 @@ class HolderService:
             self.url,
             config.record_ttl_ms,
             config.block_overhead_octets,
+            config.quotas,
         )
         self.capacities = {s.name: s.capacity for s in specs}
         if index is None and config.index_url is not None:
@@ -486,7 +490,8 @@ class HolderService:
                 digest_failures=stats.digest_failures,
                 evictions=dict(stats.evictions),
                 demotions=dict(stats.demotions),
-                lease_octets=self.leases.octets_by_client(),
+                lease_octets=self.leases.octets_by_scope(),
+                scope_octets=self.store.used_by_scope(),
                 pending=len(self._pending),
             )
 
@@ -504,6 +509,7 @@ class _Figures:
     evictions: dict[str, int]
     demotions: dict[str, int]
     lease_octets: dict[str, int]
+    scope_octets: dict[str, int]
     pending: int
 
 
@@ -547,11 +553,17 @@ class _Snapshot:
                 family.add_metric([tier_name], count)
             yield family
         leased = GaugeMetricFamily(
-            "kvsp_holder_lease_bytes", "Octets under valid leases, by client", labels=["client"]
+            "kvsp_holder_lease_bytes", "Octets under valid leases, by scope", labels=["scope"]
         )
-        for client, octets in f.lease_octets.items():
-            leased.add_metric([client], octets)
+        for scope, octets in f.lease_octets.items():
+            leased.add_metric([scope], octets)
         yield leased
+        stored = GaugeMetricFamily(
+            "kvsp_holder_scope_bytes", "Octets held, every tier, by scope", labels=["scope"]
+        )
+        for scope, octets in f.scope_octets.items():
+            stored.add_metric([scope], octets)
+        yield stored
         yield GaugeMetricFamily(
             "kvsp_holder_index_pending",
             "Publishes and withdrawals not yet delivered to the Index Service",

@@ -12,13 +12,20 @@ Contract (tested exactly):
   (a block may keep layers 0-19 in host memory and 20-29 on disk) and demoting a tier's range
   into the next tier always leaves one contiguous range there.
 - A new block goes to the first tier that can hold all of it (or to an explicit placement).
-  Room is made in a tier by taking victims in eviction order: lowest effective priority first
-  (``retain`` raises a block's priority until a deadline), then least recently used (``put`` and
-  ``get`` use a block). A victim's range moves to the next tier when that tier could hold it
-  (making room there the same way); otherwise the whole block is dropped.
+  Room is made in a tier by taking victims in eviction order: from the scope (tenant) holding
+  the most octets of the tier first (each scope's fair share of a tier is equal, so that is the
+  one furthest over its share: a tenant's flood evicts its own blocks, never all of another's),
+  and within a scope lowest effective priority first (``retain`` raises a block's priority
+  until a deadline), then least recently used (``put`` and ``get`` use a block). A victim's
+  range moves to the next tier when that tier could hold it (making room there the same way);
+  otherwise the whole block is dropped.
 - A leased block is never demoted or dropped by pressure: it is passed over, and a tier whose
   room is taken by leased blocks refuses new blocks with ``CapacityExhausted`` (507) before
   anything is moved.
+- A scope with a stored-octets quota (``kvsp.quotas``) stays within it: a new block of the
+  scope first drops the scope's own blocks (slowest tier first), and is refused with
+  ``CapacityExhausted`` naming the quota, before anything is dropped, when that cannot make the
+  room.
 - Every stored or moved block yields a ``Publish`` effect with its current Replica Record; every
   dropped block yields a ``Withdraw`` first. ``refresh_due`` republishes records past half their
   TTL. A block whose octets fail verification on read is withdrawn and dropped even if leased
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -46,6 +54,7 @@ from kvsp.core.problems import (
 from kvsp.core.records import ReplicaRecord, ReplicaRef, Residency
 from kvsp.core.registries import Tier
 from kvsp.holder.blocks import BlockId, BlockMeta, block_ref
+from kvsp.quotas import Quotas
 
 __all__ = [
     "BlockRead",
@@ -184,6 +193,7 @@ class BlockStore:
         holder_url: str,
         record_ttl_ms: int = 600_000,
         block_overhead: int = 0,
+        quotas: Quotas | None = None,
     ) -> None:
         names = [t.name for t in tiers]
         if not tiers or len(set(names)) != len(names) or set(names) != set(data):
@@ -205,9 +215,14 @@ class BlockStore:
         self.refresh_after_ms = record_ttl_ms // 2
         self._blocks: dict[BlockId, _Block] = {}
         self._used: dict[Tier, int] = dict.fromkeys(names, 0)
+        #: per tier, octets per scope; and octets per scope over every tier
+        self._scope_used: dict[Tier, Counter[str]] = {n: Counter() for n in names}
+        self._scope_total: Counter[str] = Counter()
+        self.quotas = quotas or Quotas()
         self._ticks = itertools.count(1)
-        #: per tier: (priority, tick, block) in eviction order; stale entries are skipped
-        self._order: dict[Tier, list[tuple[int, int, BlockId]]] = {n: [] for n in names}
+        #: per tier and scope: (priority, tick, block) in eviction order; stale entries are
+        #: skipped
+        self._order: dict[Tier, dict[str, list[tuple[int, int, BlockId]]]] = {n: {} for n in names}
         self._priority_ends: list[tuple[int, BlockId]] = []
         self._refresh: list[tuple[int, BlockId]] = []
         self._effects: list[Effect] = []
@@ -276,6 +291,7 @@ class BlockStore:
         self._largest = max(self._largest, self._octets("host", meta, (0, meta.layer_count - 1)))
         plan = self._placement(meta, placement)
         self._expire_priorities()
+        self._make_scope_room(block[1], sum(self._octets(t, meta, sp) for t, sp in plan), set())
         entry = _Block(meta, {}, next(self._ticks))
         self._blocks[block] = entry
         try:
@@ -285,8 +301,8 @@ class BlockStore:
                 lo, hi = meta.offsets[span[0]] - base, meta.offsets[span[1] + 1] - base
                 self._data[tier].write(block, meta, span, (data[lo:hi],))
                 entry.spans[tier] = span
-                self._used[tier] += self._octets(tier, meta, span)
-                heapq.heappush(self._order[tier], (0, entry.tick, block))
+                self._charge(tier, block, self._octets(tier, meta, span))
+                self._push(tier, block, entry)
         except BaseException:
             self._forget(block, entry)
             raise
@@ -302,8 +318,8 @@ class BlockStore:
             return False
         entry = _Block(meta, {tier: span}, next(self._ticks))
         self._blocks[block] = entry
-        self._used[tier] += octets
-        heapq.heappush(self._order[tier], (0, entry.tick, block))
+        self._charge(tier, block, octets)
+        self._push(tier, block, entry)
         self._published(block, entry)
         return True
 
@@ -443,15 +459,32 @@ class BlockStore:
                     self._push(tier, block, entry)
 
     def _push(self, tier: Tier, block: BlockId, entry: _Block) -> None:
-        order = self._order[tier]
+        scope = block[1]
+        order = self._order[tier].setdefault(scope, [])
         heapq.heappush(order, (self._effective_priority(entry), entry.tick, block))
         if len(order) > 64 + 4 * len(self._blocks):
-            self._order[tier] = [
+            order[:] = [
                 (self._effective_priority(e), e.tick, b)
                 for b, e in self._blocks.items()
-                if tier in e.spans
+                if tier in e.spans and b[1] == scope
             ]
-            heapq.heapify(self._order[tier])
+            heapq.heapify(order)
+
+    def _charge(self, tier: Tier, block: BlockId, octets: int) -> None:
+        """Count ``octets`` more (or fewer) of ``block`` in ``tier``, for it and its scope."""
+        scope = block[1]
+        self._used[tier] += octets
+        self._scope_used[tier][scope] += octets
+        self._scope_total[scope] += octets
+        if not self._scope_used[tier][scope]:
+            del self._scope_used[tier][scope]
+            self._order[tier].pop(scope, None)
+        if not self._scope_total[scope]:
+            del self._scope_total[scope]
+
+    def used_by_scope(self) -> dict[str, int]:
+        """Octets held per scope, every tier together."""
+        return dict(self._scope_total)
 
     # -- making room ---------------------------------------------------------------------------
 
@@ -464,8 +497,19 @@ class BlockStore:
             self._demote_or_drop(victim, tier, protect)
 
     def _victim(self, tier: Tier, protect: set[BlockId]) -> BlockId | None:
-        """The next block to move out of ``tier``: lowest priority, then least recently used."""
-        order = self._order[tier]
+        """The next block to move out of ``tier``: from the scope holding most of it (every
+        scope's fair share of a tier is the same, so that scope is the furthest over its share:
+        one tenant's flood takes its own blocks first, never all of another's), then lowest
+        priority, then least recently used."""
+        used = self._scope_used[tier]
+        for scope in sorted(used, key=used.__getitem__, reverse=True):
+            found = self._victim_in(tier, scope, protect)
+            if found is not None:
+                return found
+        return None
+
+    def _victim_in(self, tier: Tier, scope: str, protect: set[BlockId]) -> BlockId | None:
+        order = self._order[tier].get(scope, [])
         passed = []
         found = None
         while order:
@@ -486,6 +530,34 @@ class BlockStore:
         for item in passed:
             heapq.heappush(order, item)
         return found
+
+    def _make_scope_room(self, scope: str, octets: int, protect: set[BlockId]) -> None:
+        """Keep ``scope`` within its stored-octets quota with ``octets`` more: its own blocks
+        go first (slowest tier first, then as ``_victim_in`` orders them). Refused with
+        ``CapacityExhausted`` naming the quota, before anything is dropped, when even all of
+        its blocks that may go would not make the room."""
+        limit = self.quotas.of(scope).stored_octets
+        if limit is None or self._scope_total[scope] + octets <= limit:
+            return
+        kept = sum(
+            self._octets(t, e.meta, span)
+            for b, e in self._blocks.items()
+            if b[1] == scope and (b in protect or self._leases.leased(b))
+            for t, span in e.spans.items()
+        )
+        if kept + octets > limit:
+            raise CapacityExhausted(
+                f"scope {scope} is at its stored-octets quota of {limit} here "
+                f"({self._scope_total[scope]} held, {kept} of it leased or in use)"
+            )
+        while self._scope_total[scope] + octets > limit:
+            victim = next(
+                v
+                for tier in reversed([t.name for t in self._tiers])
+                if (v := self._victim_in(tier, scope, protect)) is not None
+            )
+            self.stats.evictions["quota"] = self.stats.evictions.get("quota", 0) + 1
+            self.drop(victim)
 
     def _demote_or_drop(self, block: BlockId, tier: Tier, protect: set[BlockId]) -> None:
         entry = self._blocks[block]
@@ -572,16 +644,16 @@ class BlockStore:
             up.append(data[:cut])
             if tier == top:
                 continue
-            self._used[tier] -= self._octets(tier, meta, (a, b))
+            self._charge(tier, block, -self._octets(tier, meta, (a, b)))
             if b > hi:  # this tier keeps the layers above ``hi``
                 self._data[tier].write(block, meta, (hi + 1, b), (data[cut:],))
                 entry.spans[tier] = (hi + 1, b)
-                self._used[tier] += self._octets(tier, meta, (hi + 1, b))
+                self._charge(tier, block, self._octets(tier, meta, (hi + 1, b)))
             else:
                 self._data[tier].delete(block)
                 del entry.spans[tier]
         self._data[top].write(block, meta, (0, hi), up)
-        self._used[top] += wanted - before
+        self._charge(top, block, wanted - before)
         entry.spans[top] = (0, hi)
         self._touch(block, entry)
         self._published(block, entry)
@@ -605,8 +677,8 @@ class BlockStore:
         self._data[tier].delete(block)
         del entry.spans[tier]
         entry.spans[lower] = merged
-        self._used[tier] -= removed
-        self._used[lower] += self._octets(lower, meta, merged) - lower_before
+        self._charge(tier, block, -removed)
+        self._charge(lower, block, self._octets(lower, meta, merged) - lower_before)
         self._push(lower, block, entry)
 
     def _entry(self, block: BlockId) -> _Block:
@@ -636,7 +708,7 @@ class BlockStore:
     def _forget(self, block: BlockId, entry: _Block) -> None:
         for tier, span in entry.spans.items():
             self._data[tier].delete(block)
-            self._used[tier] -= self._octets(tier, entry.meta, span)
+            self._charge(tier, block, -self._octets(tier, entry.meta, span))
         entry.spans.clear()
         del self._blocks[block]
 

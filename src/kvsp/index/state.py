@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import heapq
 import sys
-from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import overload
 
 from kvsp.auth import Principal, Role, authorize
@@ -32,6 +32,7 @@ from kvsp.core.records import (
 )
 from kvsp.core.urls import canonical_url
 from kvsp.index._keytable import KeyTable
+from kvsp.quotas import Quotas
 
 __all__ = [
     "LOOKUP_ROLES",
@@ -73,6 +74,27 @@ class IndexLimits:
     max_ttl_ms: int = 600_000
     max_records: int = 5_000_000
     max_instances: int = 65_536
+    #: records one scope may have where the quotas set none: one tenant cannot fill the index
+    max_scope_records: int = 1_000_000
+    quotas: Quotas = field(default_factory=Quotas)
+
+    def check_room(self, total: int, new: Iterable[str], held: Callable[[str], int]) -> None:
+        """``CapacityExhausted`` (naming the limit) unless records of the scopes ``new`` (one
+        entry per new record) fit beside ``total`` records, ``held(scope)`` of each scope."""
+        per_scope = Counter(new)
+        added = sum(per_scope.values())
+        if total + added > self.max_records:
+            raise CapacityExhausted(
+                f"the index holds {total} records; {added} more would pass the limit "
+                f"of {self.max_records}"
+            )
+        for scope, count in per_scope.items():
+            most = self.quotas.limit(scope, "records", self.max_scope_records)
+            if held(scope) + count > most:
+                raise CapacityExhausted(
+                    f"scope {scope} has {held(scope)} records; {count} more would pass its "
+                    f"records quota of {most}"
+                )
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,19 +365,19 @@ class ReplicaTable:
     def publish_many(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]:
         """Publish a batch atomically: either every record is stored or none is."""
         now = self.expire()
-        if self._count + len(records) <= self._limits.max_records:
-            return [self._store(record, now) for record in records]  # cannot pass the limit
-        new = set()
-        for r in records:
-            holder = canonical_url(r.holder)
-            block = self._block((r.compat_id, r.scope_id), r.block_key)
-            if block is None or block.find(holder) is None:
-                new.add((r.compat_id, r.scope_id, r.block_key, holder))
-        if self._count + len(new) > self._limits.max_records:
-            raise CapacityExhausted(
-                f"the index holds {self._count} records; {len(new)} more would pass the limit "
-                f"of {self._limits.max_records}"
+        held = self._by_scope.get
+        try:  # every record new at most: cannot pass a limit
+            self._limits.check_room(
+                self._count, (r.scope_id for r in records), lambda s: held(s, 0)
             )
+        except CapacityExhausted:
+            new = set()
+            for r in records:
+                holder = canonical_url(r.holder)
+                block = self._block((r.compat_id, r.scope_id), r.block_key)
+                if block is None or block.find(holder) is None:
+                    new.add((r.compat_id, r.scope_id, r.block_key, holder))
+            self._limits.check_room(self._count, (n[1] for n in new), lambda s: held(s, 0))
         return [self._store(record, now) for record in records]
 
     def _store(self, record: ReplicaRecord, now: int) -> PublishOutcome:

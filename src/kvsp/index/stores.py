@@ -38,7 +38,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvsp.core.clock import Clock
-from kvsp.core.problems import CapacityExhausted, InvalidInput, ServiceUnavailable, StaleEpoch
+from kvsp.core.problems import InvalidInput, ServiceUnavailable, StaleEpoch
 from kvsp.core.records import InstanceStatusRecord, ReplicaRecord, ReplicaRef
 from kvsp.core.urls import canonical_url
 from kvsp.index.state import (
@@ -246,24 +246,22 @@ class RedisReplicaStore:
 
     async def publish(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]:
         holders = [canonical_url(r.holder) for r in records]
+        scopes = sorted({r.scope_id for r in records})
         check = self._redis.pipeline(transaction=False)
         check.get(f"{self._p}count")
+        for scope in scopes:
+            check.zcard(self._queue(scope))
         for record, holder in zip(records, holders, strict=True):
             check.hexists(self._block(record.compat_id, record.scope_id, record.block_key), holder)
-        count, *exists = await self._run(check)
-        new = len(
-            {
-                (r.compat_id, r.scope_id, r.block_key, h)
-                for r, h, e in zip(records, holders, exists, strict=True)
-                if not e
-            }
-        )
-        current = int(count or 0)
-        if current + new > self._limits.max_records:
-            raise CapacityExhausted(
-                f"the index holds {current} records; {new} more would pass the limit "
-                f"of {self._limits.max_records}"
-            )
+        count, *answers = await self._run(check)
+        held = dict(zip(scopes, map(int, answers[: len(scopes)]), strict=True))
+        exists = answers[len(scopes) :]
+        new = {
+            (r.compat_id, r.scope_id, r.block_key, h)
+            for r, h, e in zip(records, holders, exists, strict=True)
+            if not e
+        }
+        self._limits.check_room(int(count or 0), (n[1] for n in new), held.__getitem__)
         pipe = self._redis.pipeline(transaction=False)
         ttls = [min(r.ttl_ms, self._limits.max_ttl_ms) for r in records]
         for record, holder, ttl in zip(records, holders, ttls, strict=True):

@@ -43,6 +43,7 @@ from kvsp.core.problems import CapacityExhausted
 from kvsp.core.records import Hex16, Hex32, HttpUrl, Record
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.store import BlockStore
+from kvsp.quotas import Quotas
 
 __all__ = [
     "ACTIONS",
@@ -113,6 +114,9 @@ class HintLimits:
     #: octets one session may keep pinned, and all sessions together
     pin_session_bytes: int = 64 << 20
     pin_total_bytes: int = 256 << 20
+    #: octets one scope (tenant) may keep pinned where the quotas set none; None: an equal
+    #: share of ``pin_total_bytes`` among the tenants
+    pin_scope_bytes: int | None = None
 
 
 @dataclass
@@ -175,15 +179,25 @@ class PinTable:
     """Pinned blocks until their deadlines, within octet limits (a ``LeaseView`` for the store).
 
     A block several sessions pin (a shared system prompt) stays pinned until the last of them
-    lets go or expires; its octets count once, against one owner at a time. Expiry costs
-    O(expired): deadlines sit in a heap."""
+    lets go or expires; its octets count once, against one owner at a time, and against its
+    scope, whose quota (``pinned_octets``, default ``pin_scope_bytes``) keeps one tenant from
+    taking the whole budget. Expiry costs O(expired): deadlines sit in a heap."""
 
-    def __init__(self, clock: Clock, limits: HintLimits) -> None:
+    def __init__(
+        self, clock: Clock, limits: HintLimits, quotas: Quotas | None = None, tenants: int = 1
+    ) -> None:
         self.clock = clock
         self.limits = limits
+        self.quotas = quotas or Quotas()
+        self._scope_default = (
+            limits.pin_scope_bytes
+            if limits.pin_scope_bytes is not None
+            else limits.pin_total_bytes // max(1, tenants)
+        )
         self._pins: dict[BlockId, _Pin] = {}
         self._ends: list[tuple[int, BlockId, str]] = []
         self._octets: Counter[str] = Counter()
+        self._scopes: Counter[str] = Counter()
 
     @property
     def octets(self) -> int:
@@ -231,7 +245,13 @@ class PinTable:
         if pin.owners:
             return False
         del self._pins[block]
+        self._scopes[block[1]] -= pin.octets
+        if self._scopes[block[1]] <= 0:
+            del self._scopes[block[1]]
         return True
+
+    def octets_by_scope(self) -> dict[str, int]:
+        return dict(self._scopes)
 
     def _charge(self, owner: str, octets: int) -> None:
         self._octets[owner] += octets
@@ -249,13 +269,17 @@ class PinTable:
         for block, octets in blocks:
             pin = self._pins.get(block)
             if pin is None:
+                scope = block[1]
                 if (
                     self._octets[owner] + octets > self.limits.pin_session_bytes
                     or total + octets > self.limits.pin_total_bytes
+                    or self._scopes[scope] + octets
+                    > self.quotas.limit(scope, "pinned_octets", self._scope_default)
                 ):
                     break
                 pin = self._pins[block] = _Pin(octets, {}, owner)
                 self._charge(owner, octets)
+                self._scopes[scope] += octets
                 total += octets
             if until_ms > pin.owners.get(owner, 0):
                 pin.owners[owner] = until_ms

@@ -266,7 +266,8 @@ class InstanceService:
         self.placement: list[tuple[Tier, tuple[int, int]]] | None = None
         device = self._start_engine()
         self.in_use = BlockRefs()
-        pins = PinTable(SystemClock(), config.hint_limits)
+        tenants = len(list(config.tenants))
+        pins = PinTable(SystemClock(), config.hint_limits, config.tenants.quotas, tenants)
         self.holder = HolderService(
             HolderConfig(
                 url=config.url,
@@ -274,6 +275,7 @@ class InstanceService:
                 host_read_mbit_per_s=config.g2_read_mbit_per_s,
                 index_url=config.index_url,
                 index_token=config.token,
+                quotas=config.tenants.quotas,
             ),
             device=device,
             in_use=Protected(self.in_use, pins),

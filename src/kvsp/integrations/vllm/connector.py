@@ -7,13 +7,14 @@ hands the worker the blocks to load into the pages vLLM allocated and the blocks
 the step completes. The **worker** side moves octets: it streams every block of the step at
 once from its holders, a layer range per run of layers a holder keeps in one tier (each layer
 checked against its layer digest as it completes, by ``HolderClient``, and the range handed
-over when its last layer has passed; ``Repr-Digest`` and the replica digest are checked after)
+over once its ``Repr-Digest`` has matched too: KVSP 6.7's MUST; a record's layer digests are
+checked against its replica digest, so a block whose every range passed matches that as well)
 into receive buffers kept from step to step; vLLM's thread, while it waits in
 ``wait_for_layer_load(layer)``, writes every verified section that has arrived (of any layer)
 into its paged cache, and returns as soon as that layer is in place for every block while later
 layers are still in flight; and it copies the blocks a step completed out of the cache
 (kvsp-layout-1), PUTs them to a holder (which publishes them to the IS) in the background.
-A layer that fails its digest is never written; a later holder supplies the layers not yet in
+A range that fails any digest is never written; a later holder supplies the layers not yet in
 place, and a block no holder completes is, with every later block of its request, reported
 through ``get_block_ids_with_load_errors`` so that vLLM recomputes them (run vLLM with
 ``kv_load_failure_policy = "recompute"``). A save that fails costs only a later miss.
@@ -453,25 +454,22 @@ class KVSPConnector(KVConnectorBase_V1):
                     buffer = self._buffers.take(record.size)
                     run.buffers.append(buffer)
                     start = 0  # where layer ``first`` lies in the buffer
-                    stream = self._holder_client().stream(record, (first, last), buffer)
-                    try:
-                        async for layer in stream:
-                            if not run.live(plan, index):
-                                raise _Abandoned
-                            if {len(layer.k), len(layer.v)} != {self._section_octets}:
-                                raise ContainerError(f"layer sections of {len(layer.k)} octets")
-                            if layer.layer == first:
-                                start = layer.offset
-                            done = layer.layer + 1
-                            if done == last + 1:
-                                break  # handed over before the Repr-Digest pass, below
-                    finally:  # the layers that passed their digests, even if a later one failed
-                        if done > first:
-                            end = start + (done - first) * 2 * self._section_octets
-                            run.hand_over(first, done - 1, page, offset, buffer[start:end])
-                    if done != last + 1:
+                    got = first  # layers first..got-1 arrived and matched their digests
+                    async for layer in self._holder_client().stream(record, (first, last), buffer):
+                        if not run.live(plan, index):
+                            raise _Abandoned
+                        if {len(layer.k), len(layer.v)} != {self._section_octets}:
+                            raise ContainerError(f"layer sections of {len(layer.k)} octets")
+                        if layer.layer == first:
+                            start = layer.offset
+                        got = layer.layer + 1
+                    # the stream ended: Repr-Digest matched too (KVSP 6.7); only now is the
+                    # range used
+                    if got != last + 1:
                         raise ContainerError(f"layers {first}-{last} did not all come")
-                    await anext(stream, None)  # the stream's end: Repr-Digest (KVSP 6.7)
+                    end = start + (got - first) * 2 * self._section_octets
+                    run.hand_over(first, last, page, offset, buffer[start:end])
+                    done = got
                 return
             except _Abandoned:
                 break
