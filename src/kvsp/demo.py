@@ -29,7 +29,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvsp.local import LocalCluster
+from kvsp.core.ids import tenant_session
+from kvsp.local import TENANTS, LocalCluster
 
 __all__ = ["run_demo"]
 
@@ -83,6 +84,15 @@ class Demo:
         self.operator = {"authorization": f"Bearer {cluster.operator_token}"}
         self.http = httpx.Client(timeout=httpx.Timeout(60.0, read=180.0))
         self.checks: list[Check] = []
+
+    def session_view(self, name: str) -> dict[str, Any]:
+        """What the controller knows of the first tenant's session ``name`` (it keeps it under
+        the UUID ``tenant_session`` gives)."""
+        placed = tenant_session(self.cluster.scope_ids[TENANTS[0]], name)
+        view: dict[str, Any] = self.http.get(
+            self.controller + f"sessions/{placed}", headers=self.operator
+        ).json()
+        return view
 
     def chat(
         self,
@@ -192,9 +202,7 @@ def _sessions(demo: Demo, console: Console) -> None:
                 messages = [*history[n], {"role": "user", "content": questions[turn]}]
                 drained = None
                 if n == 1 and turn == 1:  # its prefix lives on one instance: drain it
-                    where = demo.http.get(
-                        demo.controller + f"sessions/{sessions[n]}", headers=demo.operator
-                    ).json()["instance"]
+                    where = demo.session_view(sessions[n])["instance"]
                     demo.set_state(where, "draining")
                     drained = where
                 answer = demo.chat(messages, sessions[n])
@@ -239,8 +247,7 @@ def _tool_gap(demo: Demo, console: Console) -> None:
         task = progress.add_task("a session with a tool gap", total=2)
         first = demo.chat(messages, session, tool_call=True, expected_gap_ms=20_000)
         progress.advance(task)
-        view = demo.http.get(demo.controller + f"sessions/{session}", headers=demo.operator)
-        outcomes = view.json().get("hints", {}).get("outcomes", {})
+        outcomes = demo.session_view(session).get("hints", {}).get("outcomes", {})
         tool = [*messages, {"role": "assistant", "content": first.text},
                 {"role": "user", "content": "The tool says: 14 stops, depot at 6 am."}]  # fmt: skip
         second = demo.chat(tool, session)
@@ -268,9 +275,7 @@ def _failover(demo: Demo, console: Console) -> None:
 
     def kill_at(count: int) -> None:
         if count == 8 and not killed:
-            where = demo.http.get(
-                demo.controller + f"sessions/{session}", headers=demo.operator
-            ).json()["instance"]
+            where = demo.session_view(session)["instance"]
             victim = next(p for p in demo.cluster.instance_processes if p.url == where)
             if victim.popen is not None:
                 victim.popen.send_signal(signal.SIGKILL)

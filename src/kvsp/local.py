@@ -97,6 +97,8 @@ class LocalCluster:
     operator_token: str = field(default_factory=lambda: secrets.token_hex(24))
     #: a scraper's token: ``GET metrics`` on every service, nothing else
     metrics_token: str = ""
+    #: each tenant's Scope ID (not a secret: it names the scope, it cannot key blocks)
+    scope_ids: dict[str, str] = field(default_factory=dict)
 
     @property
     def api_key(self) -> str:
@@ -129,7 +131,8 @@ class LocalCluster:
             for name in ["controller", "holder", "metrics", *map(str, ports)]
         }
         scope_keys = {name: secrets.token_hex(32) for name in self.api_keys}
-        scopes = [scope_id(bytes.fromhex(k)).hex() for k in scope_keys.values()]
+        self.scope_ids = {n: scope_id(bytes.fromhex(k)).hex() for n, k in scope_keys.items()}
+        scopes = list(self.scope_ids.values())
         # each service only the roles its routes need, in the tenants' scopes (docs/api.md)
         principals = [
             self._principal("operator", self.operator_token, ["admin"], ["*"], ["*"]),

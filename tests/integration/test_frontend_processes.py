@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from kvsp.core.container import Container
-from kvsp.core.ids import parse_compat_id
+from kvsp.core.ids import parse_compat_id, tenant_session
 from kvsp.core.keys import block_keys, scope_id
 from kvsp.core.records import Sampler
 from kvsp.instance.engine import Engine, KvState
@@ -147,12 +147,13 @@ async def test_an_instance_killed_mid_stream_the_client_stream_goes_on_exactly_o
     pc = cluster.pc
     a, b = cluster.instance(), cluster.instance()
     session = str(uuid.uuid4())
+    placed_as = tenant_session(scope_id(bytes.fromhex(SCOPE_KEY)).hex(), session)
     killed: list[str] = []
 
     async def kill_after_ten(chunk: dict[str, Any]) -> None:
         if chunk.get("kvsp", {}).get("index") == 9 and not killed:
             async with httpx.AsyncClient() as http:
-                serving = (await http.get(f"{pc}sessions/{session}")).json()["instance"]
+                serving = (await http.get(f"{pc}sessions/{placed_as}")).json()["instance"]
             victim = a if serving == a.base_url else b
             victim.stop(signal.SIGKILL)
             killed.append(serving)

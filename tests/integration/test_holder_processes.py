@@ -25,8 +25,10 @@ LAYERS, SECTION = 30, 4096
 
 
 def principals(holder_url: str) -> str:
-    return principal("holder", ["holder"], [holder_url]) + principal(
-        "client", ["client", "controller"], scopes=[SCOPE]
+    return (
+        principal("holder", ["holder"], [holder_url])
+        + principal("client", ["client", "controller"], scopes=[SCOPE])
+        + principal("scraper", ["metrics"])
     )
 
 
@@ -174,4 +176,4 @@ async def test_a_flipped_byte_on_disk_is_withdrawn_at_restart(tmp_path: Path) ->
 
 async def _metrics(url: str) -> str:
     async with httpx.AsyncClient() as http:
-        return (await http.get(url + "metrics")).text
+        return (await http.get(url + "metrics", headers={"authorization": "Bearer scraper"})).text

@@ -167,10 +167,11 @@ async def test_sigkill_mid_generation_resumes_elsewhere_exactly_once(
                         "session": session, "sampler": sampler.to_json(), "max_tokens": 32,
                     }  # fmt: skip
                     placed = (await http.post(pc + "place", json=place)).json()
+                    session = placed["session"]  # the tenant's name for it, namespaced
                     first = next(s for s in live if s.base_url == placed["instance"])
                     second = next(s for s in live if s is not first)
-                    body = {k: place[k] for k in ("tenant", "tokens", "session", "sampler")}
-                    body["max_tokens"] = 32
+                    body = {k: place[k] for k in ("tenant", "tokens", "sampler")}
+                    body.update(max_tokens=32, session=session)
                     stop_after = rng.randint(1, 28)
                     got: dict[int, tuple[int, int]] = {}
                     async with http.stream("POST", first.base_url + "generate", json=body) as r:

@@ -134,12 +134,14 @@ async def test_the_controller_pins_for_a_tool_gap_shares_on_a_move_and_demotes_a
     cluster = Cluster(tmp_path, compat, controller=True)
     pc = cluster.pc
     a, b = cluster.instance("--session-index"), cluster.instance("--session-index")
-    session = str(uuid.uuid4())
+    name = "a-conversation"  # any name: the controller namespaces it by tenant
     with running(cluster.index, cluster.holder, cluster.controller, a, b):
         async with httpx.AsyncClient(timeout=120) as http:
             await eventually(lambda: active(pc), {a.base_url, b.base_url})
-            place = {"tenant": "acme", "compat_id": compat, "tokens": PROMPT, "session": session}
+            place = {"tenant": "acme", "compat_id": compat, "tokens": PROMPT, "session": name}
             placed = (await http.post(pc + "place", json=place)).json()
+            session = placed["session"]  # the UUID the controller keeps it under
+            assert session != name
             first, other = (a, b) if placed["instance"] == a.base_url else (b, a)
             turn = await generate(first.base_url, PROMPT, 24, session=session)
             assert turn["tokens"] == reference
