@@ -422,9 +422,13 @@ def controller_serve_command(
     from kvsp.controller.placement import PlacementPolicy
     from kvsp.controller.service import ControllerConfig, ControllerService
     from kvsp.controller.tenants import Tenants
+    from kvsp.instance.model import installed, system_prefix
+
+    def tokenize(text: str) -> list[int]:  # the model is needed only for a prefix_system
+        return system_prefix(installed(None, block_tokens))(text)
 
     config = ControllerConfig(
-        tenants=Tenants.load(tenants),
+        tenants=Tenants.load(tenants, tokenize),
         index_url=index,
         index_token=_read_token(index_token_file),
         instance_token=_read_token(instance_token_file),
@@ -515,11 +519,12 @@ def instance_serve_command(
     from kvsp.controller.tenants import Tenants
     from kvsp.instance.app import create_app
     from kvsp.instance.hints import HintLimits
+    from kvsp.instance.model import installed, system_prefix
     from kvsp.instance.service import InstanceConfig, InstanceService
 
     config = InstanceConfig(
         url=url,
-        tenants=Tenants.load(tenants),
+        tenants=Tenants.load(tenants, system_prefix(installed(None, block_tokens))),
         g2_bytes=parse_octets(g2_bytes),
         g1_blocks=g1_blocks,
         g1_layers=g1_layers,

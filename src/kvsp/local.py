@@ -28,7 +28,7 @@ from kvsp.auth import token_sha256
 from kvsp.controller.tenants import Tenants
 from kvsp.core.keys import scope_id
 from kvsp.core.problems import ServiceUnavailable
-from kvsp.instance.model import installed
+from kvsp.instance.model import installed, system_prefix
 
 __all__ = ["LocalCluster", "Process", "free_port"]
 
@@ -99,6 +99,8 @@ class LocalCluster:
     metrics_token: str = ""
     #: each tenant's Scope ID (not a secret: it names the scope, it cannot key blocks)
     scope_ids: dict[str, str] = field(default_factory=dict)
+    #: a system prompt every tenant shares the blocks of (a shared scope, KVSP 4.2)
+    shared_system: str | None = None
 
     @property
     def api_key(self) -> str:
@@ -119,7 +121,8 @@ class LocalCluster:
     def prepare(self) -> None:
         """Ports, tokens, the principals and tenants files, and the process list."""
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        compat = installed().compat_id.hex()
+        files = installed()
+        compat = files.compat_id.hex()
         index_port = free_port()
         holder_port = free_port()
         holder_url = f"http://127.0.0.1:{holder_port}/kvsp/"
@@ -132,7 +135,9 @@ class LocalCluster:
         }
         scope_keys = {name: secrets.token_hex(32) for name in self.api_keys}
         self.scope_ids = {n: scope_id(bytes.fromhex(k)).hex() for n, k in scope_keys.items()}
-        scopes = list(self.scope_ids.values())
+        shared_key = secrets.token_hex(32)
+        shared = [] if self.shared_system is None else [scope_id(bytes.fromhex(shared_key)).hex()]
+        scopes = [*self.scope_ids.values(), *shared]
         # each service only the roles its routes need, in the tenants' scopes (docs/api.md)
         principals = [
             self._principal("operator", self.operator_token, ["admin"], ["*"], ["*"]),
@@ -151,9 +156,16 @@ class LocalCluster:
             f'compat_ids = ["{compat}"]\napi_keys_sha256 = ["{token_sha256(key)}"]\n'
             for name, key in self.api_keys.items()
         )
+        if self.shared_system is not None:  # every tenant shares the system prompt's blocks
+            tenants_text += (
+                f'\n[shared.system-prompt]\nscope_key = "{shared_key}"\n'
+                f"tenants = {json.dumps(list(self.api_keys))}\n"
+                f"prefix_system = {json.dumps(self.shared_system)}\n"
+            )
         tenants = str(self._write("tenants.toml", tenants_text))
         # the holder and the IS get the tenants' quotas by Scope ID, never their keys
-        quotas = str(self._write("quotas.toml", Tenants.parse(tenants_text).quotas.to_toml()))
+        parsed = Tenants.parse(tenants_text, system_prefix(files))
+        quotas = str(self._write("quotas.toml", parsed.quotas.to_toml()))
         controller_token = str(self._write("controller.token", tokens["controller"]))
         holder_token = str(self._write("holder.token", tokens["holder"]))
         logs = self.folder / "logs"

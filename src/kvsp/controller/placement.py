@@ -90,6 +90,15 @@ class PlacementRequest:
     block_keys: tuple[str, ...]
     prompt_tokens: int
     block_tokens: int
+    #: the first ``shared_blocks`` keys are a shared prefix's, in scope ``shared_scope``
+    shared_scope: str | None = None
+    shared_blocks: int = 0
+
+    def parts(self) -> list[tuple[str, tuple[str, ...]]]:
+        """The keys by scope, in order: the shared prefix's (if any), then the tenant's."""
+        n = self.shared_blocks if self.shared_scope is not None else 0
+        parts = [(self.shared_scope, self.block_keys[:n])] if n else []
+        return [*parts, (self.scope_id, self.block_keys[n:])]  # type: ignore[list-item]
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,7 @@ from kvsp.controller.reshard import ReshardCoordinator, ReshardResult, propose
 from kvsp.controller.sessions import CheckpointAnswer, SessionTable
 from kvsp.controller.tenants import Tenants
 from kvsp.core.clock import Clock, SystemClock
-from kvsp.core.ids import parse_compat_id, tenant_session
-from kvsp.core.keys import BlockKeyChain
+from kvsp.core.ids import tenant_session
 from kvsp.core.problems import KvspError, NotFound, RecordError
 from kvsp.core.records import (
     InstanceState,
@@ -59,6 +58,7 @@ from kvsp.core.records import (
     SessionCheckpoint,
     ShardMap,
 )
+from kvsp.core.shared import ScopedChain
 from kvsp.core.urls import canonical_url
 from kvsp.index.client import IndexClient
 from kvsp.tasks import cancel_all
@@ -78,7 +78,7 @@ KEYS_ON_LOOP = 64
 
 
 async def _block_keys(
-    chain: BlockKeyChain, tokens: Sequence[int], block_tokens: int
+    chain: ScopedChain, tokens: Sequence[int], block_tokens: int
 ) -> tuple[str, ...]:
     """The prompt's Block Keys in hex; a long prompt's off the event loop."""
 
@@ -310,22 +310,37 @@ class ControllerService:
     # -- placement -----------------------------------------------------------------------------
 
     async def _lookup(self, request: PlacementRequest, targets: Sequence[str]) -> LookupResponse:
+        """The IS's answer for the request's keys. A prompt with a shared prefix is looked up
+        in each scope in turn (the tenant's part only when the whole shared part matched), and
+        the answers joined without estimates: the PC computes the costs from the replicas."""
         empty = LookupResponse(matched=0)
         if self.index is None or not request.block_keys:
             return empty
+        parts = [(scope, keys) for scope, keys in request.parts() if keys]
+        answers: list[LookupResponse] = []
         try:
-            return await self.index.lookup(
-                LookupRequest(
-                    scope_id=request.scope_id,
-                    compat_id=request.compat_id,
-                    block_keys=request.block_keys,
-                    targets=tuple(targets) or None,
-                    block_tokens=request.block_tokens,
+            for scope, keys in parts:
+                answer = await self.index.lookup(
+                    LookupRequest(
+                        scope_id=scope,
+                        compat_id=request.compat_id,
+                        block_keys=keys,
+                        targets=(tuple(targets) or None) if len(parts) == 1 else None,
+                        block_tokens=request.block_tokens,
+                    )
                 )
-            )
+                answers.append(answer)
+                if answer.matched < len(keys):
+                    break
         except KvspError as exc:  # placement still works: everything is recomputed
             log.warning("index lookup failed (%s); placing without cached blocks", exc.detail)
             return empty
+        if len(answers) == 1:
+            return answers[0]
+        return LookupResponse(
+            matched=sum(a.matched for a in answers),
+            replicas=tuple(r for a in answers for r in a.replicas),
+        )
 
     async def place(
         self,
@@ -347,9 +362,12 @@ class ControllerService:
         if session is not None:  # the tenant's own name for it, in the tenant's namespace
             session = tenant_session(tenant.scope_id, session)
         block_tokens = self.config.block_tokens
-        chain = BlockKeyChain(tenant.scope_key, parse_compat_id(compat_id), block_tokens)
+        chain = tenant.chain(compat_id, block_tokens)
         keys = await _block_keys(chain, tokens, block_tokens)
-        request = PlacementRequest(tenant.scope_id, compat_id, keys, len(tokens), block_tokens)
+        shared = None if chain.shared is None else chain.shared.scope_id
+        request = PlacementRequest(
+            tenant.scope_id, compat_id, keys, len(tokens), block_tokens, shared, chain.shared_count
+        )
         first = None
         if session is not None:
             first = SessionCheckpoint(
@@ -392,7 +410,8 @@ class ControllerService:
         policy = self.config.placement
         directive = build_directive(request, lookup, decision.instance, policy, request_ref)
         pays = chosen is None or chosen.uses_cache
-        if directive is not None and policy.prefetch and pays:
+        # a directive names one scope: a prompt with a shared prefix loads it itself
+        if directive is not None and policy.prefetch and pays and not request.shared_blocks:
             placement = await self._prefetch(placement, decision.instance, directive, wait_prefetch)
         if first is not None:
             entry = self.sessions.open(first, decision.instance, max_tokens)
@@ -610,14 +629,18 @@ class ControllerService:
             return  # over, or forgotten
         if (entry.instance, entry.epoch) != (failed, epoch):
             return  # moved or resumed already
+        blocks = entry.checkpoint.prompt_blocks
+        b = self.config.block_tokens
+        tenant = self.config.tenants.by_scope(entry.scope_id)
+        chain = tenant.chain_after(entry.compat_id, b, blocks) if tenant is not None else None
         request = PlacementRequest(
             entry.scope_id,
             entry.compat_id,
-            entry.checkpoint.prompt_blocks,
-            len(entry.checkpoint.prompt_blocks) * self.config.block_tokens
-            + len(entry.checkpoint.prompt_tail)
-            + entry.checkpoint.output_offset,
-            self.config.block_tokens,
+            blocks,
+            len(blocks) * b + len(entry.checkpoint.prompt_tail) + entry.checkpoint.output_offset,
+            b,
+            None if chain is None or chain.shared is None else chain.shared.scope_id,
+            0 if chain is None else chain.shared_count,
         )
         active = [i.status for i in self.instances.active()]
         lookup = await self._lookup(request, [s.instance for s in active])

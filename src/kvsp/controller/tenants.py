@@ -12,6 +12,11 @@ controller and instances read this file, and no key is ever logged or shown (``r
 
     [quota]                              # optional: every tenant's quotas
 
+    [shared.system-prompt]               # a public prefix some tenants share (KVSP 4.2)
+    scope_key = "<hex, at least 32 octets>"
+    tenants = ["acme", "globex"]
+    prefix_tokens = [1, 2, 3]            # or prefix_system = "<a chat's system prompt>"
+
 ``kvsp tenants quotas FILE`` prints the quotas keyed by Scope ID (no key in it), for holders and
 the Index Service, which never read this file.
 """
@@ -22,18 +27,22 @@ import hashlib
 import hmac
 import re
 import tomllib
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvsp.auth import Principal
-from kvsp.core.ids import HEX32_PATTERN
-from kvsp.core.keys import scope_id
+from kvsp.core.ids import HEX32_PATTERN, parse_block_key, parse_compat_id
+from kvsp.core.keys import ROOT_PARENT, scope_id
 from kvsp.core.problems import ConfigurationError, Forbidden, NotFound
+from kvsp.core.shared import ScopedChain, SharedScope, shared_blocks
 from kvsp.quotas import Quotas, parse_quota
 
-__all__ = ["Tenant", "Tenants"]
+__all__ = ["Tenant", "Tenants", "Tokenize"]
+
+#: text to token ids, with the model's tokenizer
+Tokenize = Callable[[str], Sequence[int]]
 
 _HEX = re.compile(r"(?:[0-9a-f]{2})+")
 _HEX32 = re.compile(HEX32_PATTERN)
@@ -47,6 +56,31 @@ class Tenant:
     scope_id: str
     compat_ids: frozenset[str]
     api_keys_sha256: frozenset[str] = field(repr=False, default=frozenset())
+    #: the shared scopes (public prefixes) this tenant may use
+    shared: tuple[SharedScope, ...] = ()
+
+    def chain(self, compat_id: str, block_tokens: int) -> ScopedChain:
+        """The Block Key chain of a new prompt of this tenant."""
+        return ScopedChain(
+            self.scope_key, self.scope_id, parse_compat_id(compat_id), block_tokens, self.shared
+        )
+
+    def chain_after(
+        self, compat_id: str, block_tokens: int, prompt_blocks: Sequence[str]
+    ) -> ScopedChain:
+        """The chain after ``prompt_blocks`` (a checkpoint's), which knows which of them are
+        a shared prefix's (a shared block is known by its key)."""
+        compat = parse_compat_id(compat_id)
+        shared, count = shared_blocks(self.shared, prompt_blocks, compat, block_tokens)
+        parent = parse_block_key(prompt_blocks[-1]) if prompt_blocks else ROOT_PARENT
+        return ScopedChain(
+            self.scope_key, self.scope_id, compat, block_tokens, self.shared, parent=parent,
+            blocks=len(prompt_blocks), shared=shared, shared_count=count,
+        )  # fmt: skip
+
+    def scopes(self) -> list[str]:
+        """Every scope this tenant's blocks may be in: its own, then its shared ones."""
+        return [self.scope_id, *(s.scope_id for s in self.shared)]
 
     def check_compat(self, compat_id: str) -> None:
         if compat_id not in self.compat_ids:
@@ -73,17 +107,53 @@ def _tenant(name: str, entry: Any) -> Tenant:
     return Tenant(name, octets, scope_id(octets).hex(), frozenset(compat), frozenset(api))
 
 
+def _shared(name: str, entry: Any, tokenize: Tokenize | None) -> tuple[SharedScope, list[str]]:
+    if not isinstance(entry, dict):
+        raise ConfigurationError(f"shared scope {name!r} must be a table")
+    unknown = set(entry) - {"scope_key", "tenants", "prefix_tokens", "prefix_system"}
+    if unknown:
+        raise ConfigurationError(f"shared scope {name!r}: unknown keys {sorted(unknown)}")
+    key = entry.get("scope_key")
+    if not isinstance(key, str) or _HEX.fullmatch(key) is None or len(key) < 64:
+        raise ConfigurationError(f"shared scope {name!r}: scope_key must be hex of >= 32 octets")
+    allowed = entry.get("tenants")
+    if not isinstance(allowed, list) or not allowed or not all(isinstance(t, str) for t in allowed):
+        raise ConfigurationError(f"shared scope {name!r}: tenants must list tenant names")
+    tokens, text = entry.get("prefix_tokens"), entry.get("prefix_system")
+    if (tokens is None) == (text is None):
+        raise ConfigurationError(f"shared scope {name!r}: give prefix_tokens or prefix_system")
+    if text is not None:
+        if not isinstance(text, str) or not text:
+            raise ConfigurationError(f"shared scope {name!r}: prefix_system must be text")
+        if tokenize is None:
+            raise ConfigurationError(
+                f"shared scope {name!r}: prefix_system needs the model's tokenizer here; "
+                "give prefix_tokens"
+            )
+        tokens = list(tokenize(text))
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in tokens
+    ):
+        raise ConfigurationError(f"shared scope {name!r}: prefix_tokens must be token ids")
+    octets = bytes.fromhex(key)
+    return SharedScope(name, octets, scope_id(octets).hex(), tuple(tokens)), allowed
+
+
 class Tenants:
     def __init__(self, tenants: Mapping[str, Tenant], quotas: Quotas | None = None) -> None:
         self._tenants = dict(tenants)
         #: each tenant's quotas, by Scope ID
         self.quotas = quotas or Quotas()
         scopes = [t.scope_id for t in tenants.values()]
-        if len(set(scopes)) != len(scopes):
-            raise ConfigurationError("two tenants share a scope key")
+        shared = {s.scope_id for t in tenants.values() for s in t.shared}
+        if len(set(scopes)) != len(scopes) or not shared.isdisjoint(scopes):
+            raise ConfigurationError("two tenants (or a tenant and a shared scope) share a key")
 
     @classmethod
-    def parse(cls, text: str) -> Tenants:
+    def parse(cls, text: str, tokenize: Tokenize | None = None) -> Tenants:
+        """The tenants of ``text``; ``tokenize`` turns a chat's system prompt into the tokens a
+        conversation with it begins with (``kvsp.instance.model.system_prefix``), needed only
+        where a shared scope gives ``prefix_system``."""
         try:
             doc = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
@@ -92,6 +162,16 @@ class Tenants:
         if not isinstance(tables, dict) or not tables:
             raise ConfigurationError("tenants file needs at least one [tenants.NAME] table")
         tenants = {name: _tenant(name, entry) for name, entry in tables.items()}
+        shared = doc.get("shared", {})
+        if not isinstance(shared, dict):
+            raise ConfigurationError("tenants file: [shared.NAME] tables")
+        for name, entry in shared.items():
+            scope, allowed = _shared(name, entry, tokenize)
+            for tenant in allowed:
+                if tenant not in tenants:
+                    raise ConfigurationError(f"shared scope {name!r}: no tenant {tenant!r}")
+                before = tenants[tenant]
+                tenants[tenant] = replace(before, shared=(*before.shared, scope))
         quotas = Quotas(
             parse_quota(doc.get("quota", {}), "[quota]"),
             {
@@ -103,9 +183,9 @@ class Tenants:
         return cls(tenants, quotas)
 
     @classmethod
-    def load(cls, path: Path | str) -> Tenants:
+    def load(cls, path: Path | str, tokenize: Tokenize | None = None) -> Tenants:
         try:
-            return cls.parse(Path(path).read_text(encoding="utf-8"))
+            return cls.parse(Path(path).read_text(encoding="utf-8"), tokenize)
         except OSError as exc:
             raise ConfigurationError(f"cannot read tenants file {path}: {exc.strerror}") from None
 
@@ -122,6 +202,10 @@ class Tenants:
         if found is None or not principal.may_access_scope(found.scope_id):
             raise Forbidden(f"principal {principal.name!r} may not act for tenant {name!r}")
         return found
+
+    def by_scope(self, scope_id: str) -> Tenant | None:
+        """The tenant whose own scope is ``scope_id`` (a checkpoint names its session's)."""
+        return next((t for t in self._tenants.values() if t.scope_id == scope_id), None)
 
     def by_api_key(self, key: str) -> Tenant | None:
         """The tenant an API key belongs to (compared as SHA-256, in constant time)."""

@@ -26,7 +26,12 @@ from contextlib import asynccontextmanager
 
 from kvsp.core.container import Container, ContainerParser, LayerSections
 from kvsp.core.digests import verify_repr_digest
-from kvsp.core.problems import ContainerLengthError, DigestError, ServiceUnavailable
+from kvsp.core.problems import (
+    ContainerError,
+    ContainerLengthError,
+    DigestError,
+    ServiceUnavailable,
+)
 from kvsp.core.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord
 from kvsp.core.registries import BLOCK_MEDIA_TYPE, JSON_MEDIA_TYPE
 from kvsp.core.urls import canonical_url
@@ -217,6 +222,9 @@ class HolderClient(ClosingClient):
         self._workers = ThreadPoolExecutor(os.cpu_count() or 1, "kvsp-block-checks")
         #: blocks being received by ``get`` now
         self._receiving = 0
+        #: answers refused because a digest did not match or the container was malformed: the
+        #: block was not used (and so is neither held nor published again)
+        self.refused = 0
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -282,9 +290,15 @@ class HolderClient(ClosingClient):
         params = None if layers is None else {"layers": f"{layers[0]}-{layers[1]}"}
         path = block_ref(block)
         async with self._request("GET", record.holder, path, params=params, sink=buffer) as r:
-            digest = r.headers.get("repr-digest")
-            receiver = BlockReceiver(record, layers, digest, r.content_length, buffer, whole_digest)
-            yield r, receiver, None if r.in_request_sink else receiver.buffer
+            try:
+                digest = r.headers.get("repr-digest")
+                receiver = BlockReceiver(
+                    record, layers, digest, r.content_length, buffer, whole_digest
+                )
+                yield r, receiver, None if r.in_request_sink else receiver.buffer
+            except (DigestError, ContainerError):
+                self.refused += 1
+                raise
 
     async def get(
         self,

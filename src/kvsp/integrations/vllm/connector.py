@@ -290,9 +290,7 @@ class KVSPConnector(KVConnectorBase_V1):
             if isinstance(keys, list | tuple) and all(isinstance(k, str) for k in keys):
                 given = tuple(keys)
         try:
-            tracked = TrackedRequest.start(
-                tenant.scope_key, tenant.scope_id, self.compat, self.block_tokens, given
-            )
+            tracked = TrackedRequest.start(tenant, self.compat, self.block_tokens, given)
         except InvalidInput as exc:  # a malformed prefix key: this request gets no KVSP
             log.warning("request %s: %s", request.request_id, exc)
             return None
@@ -317,21 +315,29 @@ class KVSPConnector(KVConnectorBase_V1):
         self, tracked: TrackedRequest, request: Request, computed: int
     ) -> tuple[BlockLoad, ...]:
         wanted = tracked.wanted(list(request.prompt_token_ids or ()), computed)
-        if not wanted:
-            return ()
-        query = LookupRequest(
-            scope_id=tracked.scope_id, compat_id=self.compat_hex, block_keys=tuple(wanted)
-        )
-        try:
-            answer = self._loop.run(self._index_client().lookup(query), self.settings.timeout_s)
-        except (KvspError, TimeoutError) as exc:
-            log.warning("index lookup failed, computing the prompt: %s", exc)
-            return ()
+        first = computed // self.block_tokens
         near = self.settings.holder_url
-        return tuple(
-            BlockLoad(key, 0, _holders_first(records, near))
-            for key, records in zip(wanted, answer.replicas, strict=False)
-        )
+        found: list[BlockLoad] = []
+        while len(found) < len(wanted):  # one lookup per scope: a shared prefix's first
+            scope = tracked.scope_of(first + len(found))
+            part = [
+                k
+                for i, k in enumerate(wanted[len(found) :], first + len(found))
+                if tracked.scope_of(i) == scope
+            ]
+            query = LookupRequest(scope_id=scope, compat_id=self.compat_hex, block_keys=tuple(part))
+            try:
+                answer = self._loop.run(self._index_client().lookup(query), self.settings.timeout_s)
+            except (KvspError, TimeoutError) as exc:
+                log.warning("index lookup failed, computing the prompt: %s", exc)
+                break
+            found += [
+                BlockLoad(key, 0, _holders_first(records, near))
+                for key, records in zip(part, answer.replicas, strict=False)
+            ]
+            if answer.matched < len(part):
+                break
+        return tuple(found)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -543,7 +549,7 @@ class KVSPConnector(KVConnectorBase_V1):
         for plan in self._metadata().plans:
             for save in plan.saves:
                 page, offset = plan.page_of(save.first_token, self.page_tokens)
-                block = (plan.compat_id, plan.scope_id, save.key)
+                block = (plan.compat_id, save.scope_id, save.key)
                 self._staged.setdefault(block, {})[index] = self._cache.read(
                     index, page, offset, self.block_tokens
                 )

@@ -1,7 +1,8 @@
 """What the connector does for each request and step, decided without vLLM (pure).
 
 The scheduler side of ``KVSPConnector`` keeps one ``TrackedRequest`` per request it serves for
-a tenant: the request's Block Keys (a ``BlockKeyChain`` fed as tokens become known, or, for a
+a tenant: the request's Block Keys (a ``ScopedChain`` fed as tokens become known, so that the
+blocks of a shared public prefix are keyed in its shared scope; or, for a
 resumed session, the keys it was given for a prefix whose token ids are not known here), how far
 its KV is settled (loaded, or saved), and the blocks to load once vLLM has allocated room. Each
 engine step it turns into ``RequestPlan`` entries that the worker side executes: blocks to load
@@ -15,10 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvsp.controller.tenants import Tenant
 from kvsp.core.ids import CompatId, parse_block_key
-from kvsp.core.keys import BlockKeyChain
 from kvsp.core.problems import ConfigurationError
 from kvsp.core.records import ReplicaRecord
+from kvsp.core.shared import ScopedChain
 
 __all__ = [
     "BlockLoad",
@@ -72,6 +74,8 @@ class BlockLoad:
 class BlockSave:
     key: str
     first_token: int
+    #: the block's scope: the tenant's, or a shared prefix's
+    scope_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ class TrackedRequest:
     compat_id: CompatId
     scope_id: str
     block_tokens: int
-    chain: BlockKeyChain
+    chain: ScopedChain
     #: keys given for the leading blocks (a resumed session), whose token ids are placeholders
     given: tuple[str, ...] = ()
     #: tokens fed into ``chain`` (counted from the start of the request)
@@ -115,25 +119,20 @@ class TrackedRequest:
 
     @classmethod
     def start(
-        cls,
-        scope_key: bytes,
-        scope_id: str,
-        compat_id: CompatId,
-        block_tokens: int,
-        given: Sequence[str] = (),
+        cls, tenant: Tenant, compat_id: CompatId, block_tokens: int, given: Sequence[str] = ()
     ) -> TrackedRequest:
         checked = [parse_block_key(key) for key in given]  # InvalidInput for a malformed one
         given = [key.hex() for key in checked]
-        parent = checked[-1] if checked else None
-        chain = (
-            BlockKeyChain(scope_key, compat_id, block_tokens, parent)
-            if parent is not None
-            else BlockKeyChain(scope_key, compat_id, block_tokens)
-        )
+        chain = tenant.chain_after(compat_id.hex(), block_tokens, given)
         n = len(given)
         return cls(
-            compat_id, scope_id, block_tokens, chain, tuple(given), n * block_tokens, settled=n
-        )
+            compat_id, tenant.scope_id, block_tokens, chain, tuple(given), n * block_tokens,
+            settled=n,
+        )  # fmt: skip
+
+    def scope_of(self, index: int) -> str:
+        """The scope of block ``index``: a shared prefix's, or the tenant's."""
+        return self.chain.scope_of(index)
 
     def keys(self, tokens: Sequence[int]) -> list[str]:
         """Keys of every complete block of ``tokens`` (the request's tokens so far)."""
@@ -186,6 +185,8 @@ class TrackedRequest:
         saves: list[BlockSave] = []
         if complete > self.settled:
             keys = self.keys(tokens[: complete * b])
-            saves = [BlockSave(keys[i], i * b) for i in range(self.settled, complete)]
+            saves = [
+                BlockSave(keys[i], i * b, self.scope_of(i)) for i in range(self.settled, complete)
+            ]
             self.settled = complete
         return loads, saves

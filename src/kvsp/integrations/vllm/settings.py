@@ -29,7 +29,7 @@ from kvsp.controller.tenants import Tenant, Tenants
 from kvsp.core.compat import CompatibilityDescriptor
 from kvsp.core.problems import ConfigurationError, Forbidden, NotFound
 from kvsp.core.urls import canonical_url
-from kvsp.instance.model import ModelFiles, from_folder
+from kvsp.instance.model import ModelFiles, from_folder, system_prefix
 
 __all__ = ["ConnectorSettings"]
 
@@ -96,7 +96,15 @@ class ConnectorSettings:
         index_url = canonical_url(_text(extra, "index_url", required=True) or "")
         holder = _text(extra, "holder_url")
         tenants_file = _text(extra, "tenants_file", required=True) or ""
-        tenants = Tenants.load(Path(tenants_file).expanduser())
+        model_dir = _text(extra, "model_dir")
+        if model_dir is None:
+            if vllm_model is None:
+                raise ConfigurationError("KVSPConnector needs 'model_dir' (a kvsp model folder)")
+            folder = Path(vllm_model).expanduser().parent  # the kvsp folder around safetensors/
+        else:
+            folder = Path(model_dir).expanduser()
+        files = from_folder(folder, _int(extra, "block_tokens", 16, 1, 1 << 16))
+        tenants = Tenants.load(Path(tenants_file).expanduser(), system_prefix(files))
         tenant = _text(extra, "tenant")
         if tenant is not None:
             try:
@@ -108,13 +116,6 @@ class ConnectorSettings:
         request_tenants = extra.get("request_tenants", False)
         if not isinstance(request_tenants, bool):
             raise ConfigurationError("KVSPConnector setting 'request_tenants' must be a boolean")
-        model_dir = _text(extra, "model_dir")
-        if model_dir is None:
-            if vllm_model is None:
-                raise ConfigurationError("KVSPConnector needs 'model_dir' (a kvsp model folder)")
-            folder = Path(vllm_model).expanduser().parent  # the kvsp folder around safetensors/
-        else:
-            folder = Path(model_dir).expanduser()
         copies = extra.get("copy_urls", [])
         if not isinstance(copies, list) or not all(isinstance(u, str) and u for u in copies):
             raise ConfigurationError("KVSPConnector setting 'copy_urls' must be a list of URLs")
@@ -129,7 +130,7 @@ class ConnectorSettings:
             tenants=tenants,
             tenant=tenant,
             request_tenants=request_tenants,
-            files=from_folder(folder, _int(extra, "block_tokens", 16, 1, 1 << 16)),
+            files=files,
             layer_chunk=_int(extra, "layer_chunk", 0, 0, 1 << 16),
             timeout_s=float(timeout),
         )
