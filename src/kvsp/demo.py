@@ -251,7 +251,9 @@ def _sessions(demo: Demo, console: Console) -> None:
     demo.check("cached prompt tokens of continuations", f"{continuation_cached}", True)
     demo.check("hit rate of continuations", f"{rate:.1%}", rate >= 0.8)
     demo.check(
-        "every answer equals another tenant's (only the system prompt shared)", "yes" if same else "no", same
+        "every answer equals another tenant's (only the system prompt shared)",
+        "yes" if same else "no",
+        same,
     )
 
 
