@@ -327,7 +327,7 @@ async def test_leases_grant_renew_release_quota_and_missing_keys(env: Env) -> No
     missing = request.model_copy(update={"block_keys": (block_id(2)[2], block_id(9)[2])})
     with pytest.raises(NotFound):
         await c1.lease(env.holder, missing)
-    assert env.service.leases.octets_by_scope() == {"c1": size}
+    assert env.service.leases.octets_by_scope() == {SCOPE: size}
     many = request.model_copy(update={"block_keys": (block_id(1)[2], block_id(2)[2]) * 1})
     await c1.lease(env.holder, many)  # 3 x size
     with pytest.raises(LeaseQuotaExceeded):

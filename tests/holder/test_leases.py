@@ -1,4 +1,4 @@
-"""Leases: grant, renew, release, expiry, per-client quotas and TTL clipping."""
+"""Leases: grant, renew, release, expiry, per-scope quotas and TTL clipping."""
 
 from __future__ import annotations
 
@@ -26,14 +26,14 @@ def test_grant_renew_release_expire() -> None:
     assert not grant.clipped
     assert len(grant.lease) >= 16
     assert leases.leased(block_id(1))
-    assert leases.octets_by_client() == {"a": 200}
+    assert leases.octets_by_scope() == {block_id(1)[1]: 200}
     clock.advance(4_000)
     assert leases.renew("a", grant.lease, 5_000).ttl_ms == 5_000
     clock.advance(4_000)
     assert leases.leased(block_id(2))  # renewed: 1 s left
     clock.advance(1_000)
     assert not leases.leased(block_id(2))
-    assert leases.octets_by_client() == {}
+    assert leases.octets_by_scope() == {}
     with pytest.raises(NotFound):
         leases.renew("a", grant.lease, 1_000)
     second = leases.grant("a", [(block_id(1), 100)], 1_000)
@@ -49,14 +49,16 @@ def test_ttl_above_the_maximum_is_clipped() -> None:
     assert (renewal.ttl_ms, renewal.clipped) == (10_000, True)
 
 
-def test_octet_quota_is_per_client_and_grants_nothing_beyond() -> None:
+def test_octet_quota_is_per_scope_and_grants_nothing_beyond() -> None:
     leases, _ = table(quota=250)
     leases.grant("a", [(block_id(1), 200)], 1_000)
     with pytest.raises(LeaseQuotaExceeded):
         leases.grant("a", [(block_id(2), 30), (block_id(3), 30)], 1_000)
+    with pytest.raises(LeaseQuotaExceeded):  # another principal of the scope: the same quota
+        leases.grant("b", [(block_id(2), 60)], 1_000)
     assert not leases.leased(block_id(2))
-    assert leases.octets_by_client() == {"a": 200}
-    leases.grant("b", [(block_id(2), 250)], 1_000)  # b has its own quota
+    assert leases.octets_by_scope() == {block_id(1)[1]: 200}
+    leases.grant("b", [(block_id(2, "f" * 32), 250)], 1_000)  # another scope: its own quota
 
 
 def test_lease_count_is_bounded() -> None:
@@ -95,7 +97,7 @@ def test_limits_are_checked() -> None:
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from("abc"),
+            st.sampled_from(["a" * 32, "b" * 32, "c" * 32]),
             st.integers(1, 400),
             st.integers(1, 30_000),
             st.integers(0, 5_000),
@@ -105,11 +107,11 @@ def test_limits_are_checked() -> None:
 )
 def test_quotas_always_hold(requests: list[tuple[str, int, int, int]]) -> None:
     leases, clock = table(quota=1_000, max_ttl=10_000, max_leases=8)
-    for i, (client, octets, ttl, wait) in enumerate(requests):
+    for i, (scope, octets, ttl, wait) in enumerate(requests):
         try:
-            grant = leases.grant(client, [(block_id(i), octets)], ttl)
+            grant = leases.grant("client", [(block_id(i, scope), octets)], ttl)
             assert grant.ttl_ms <= 10_000
         except LeaseQuotaExceeded:
             pass
-        assert all(v <= 1_000 for v in leases.octets_by_client().values())
+        assert all(v <= 1_000 for v in leases.octets_by_scope().values())
         clock.advance(wait)

@@ -258,7 +258,9 @@ async def test_health_and_metrics(http: httpx.AsyncClient, clock: ManualClock) -
     assert lines["kvsp_index_hit_ratio"] == "0.5"
     assert lines['kvsp_index_lookup_matched_blocks_bucket{le="2.0"}'] == "1.0"
     assert lines["kvsp_index_expired_records"] == "1.0"
-    assert lines['kvsp_index_rejected_requests_total{type="kvsp-forbidden"}'] == "2.0"  # the lookup and the metrics
+    assert (
+        lines['kvsp_index_rejected_requests_total{type="kvsp-forbidden"}'] == "2.0"
+    )  # the lookup and the metrics
     assert lines['kvsp_index_publishes_total{result="created"}'] == "2.0"
 
 

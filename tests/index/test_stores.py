@@ -13,11 +13,16 @@ from kvsp.core.clock import SystemClock
 from kvsp.core.problems import CapacityExhausted, ServiceUnavailable, StaleEpoch
 from kvsp.index.state import IndexLimits, answer_json
 from kvsp.index.stores import MemoryReplicaStore, RedisReplicaStore, ReplicaStore, open_store
+from kvsp.quotas import Quota, Quotas
 from tests.index.factories import COMPAT, H1, H2, I1, SCOPE_A, SCOPE_B, key, ref, replica, status
 
 pytestmark = pytest.mark.anyio
 
-LIMITS = IndexLimits(max_ttl_ms=2_000, max_records=20)
+#: scope B may have 6 records; every other scope as many as the index
+LIMITS = IndexLimits(
+    max_ttl_ms=2_000, max_records=20, max_scope_records=20,
+    quotas=Quotas(scopes={SCOPE_B: Quota(records=6)}),
+)  # fmt: skip
 
 
 async def _expire(store: ReplicaStore) -> None:
@@ -103,6 +108,19 @@ async def test_record_limit(store: ReplicaStore) -> None:
     await store.publish([replica(n) for n in range(16, 20)])  # two refreshes, two new
     with pytest.raises(CapacityExhausted):
         await store.publish([replica(20)])
+
+
+async def test_one_scope_cannot_fill_the_index(store: ReplicaStore) -> None:
+    """Tenant B floods the index: its records stop at its quota (507 naming it) while tenant A
+    still publishes; refreshing a record needs no room."""
+    await store.publish([replica(n, scope=SCOPE_B) for n in range(6)])
+    with pytest.raises(CapacityExhausted, match="records quota of 6"):
+        await store.publish([replica(n, scope=SCOPE_B) for n in range(5, 8)])
+    await store.publish([replica(n, scope=SCOPE_B) for n in range(6)])  # refreshes
+    await store.publish([replica(n) for n in range(12)])  # A is not held back
+    assert await store.counts_by_scope() == {SCOPE_A: 12, SCOPE_B: 6}
+    with pytest.raises(CapacityExhausted, match="limit of 20"):  # the index's own limit
+        await store.publish([replica(n) for n in range(12, 15)])
 
 
 async def test_statuses(store: ReplicaStore) -> None:

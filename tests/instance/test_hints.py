@@ -21,6 +21,7 @@ from kvsp.instance.hints import (
     action_name,
     parse_payload,
 )
+from kvsp.quotas import Quota, Quotas
 from tests.holder.factories import SCOPE, block_id
 from tests.instance.pools import pool, put
 
@@ -215,3 +216,23 @@ def test_a_block_two_sessions_pin_stays_pinned_until_both_let_go() -> None:
     env.clock.advance(5_000)
     assert env.pins.expire() == [shared]
     assert env.pins.octets == 0
+
+
+def test_one_tenant_cannot_take_the_whole_pin_budget() -> None:
+    """A tool-call flood of one tenant pins up to its share (the budget over the tenants, or its
+    own quota); the other tenant's pins are still accepted."""
+    clock = ManualClock()
+    limits = HintLimits(pin_session_bytes=1 << 20, pin_total_bytes=4_000)
+    pins = PinTable(clock, limits, tenants=2)
+    a = [(block_id(n, "a" * 32), 500) for n in range(10)]
+    b = [(block_id(n, "b" * 32), 500) for n in range(4)]
+    for n, block in enumerate(a):  # a session per block, each under its own limit
+        pins.pin(f"a-{n}", [block], 60_000)
+    assert pins.octets_by_scope() == {"a" * 32: 2_000}  # half of the budget
+    assert pins.pin("b-0", b, 60_000) == [block for block, _ in b]
+    assert pins.octets_by_scope() == {"a" * 32: 2_000, "b" * 32: 2_000}
+    quotas = Quotas(scopes={"a" * 32: Quota(pinned_octets=1_000)})
+    own = PinTable(clock, limits, quotas, tenants=2)
+    assert len(own.pin("a", a, 60_000)) == 2  # its own quota
+    own.release("a")
+    assert own.octets_by_scope() == {}

@@ -296,7 +296,7 @@ class BlockStore:
         self._blocks[block] = entry
         try:
             for tier, span in plan:
-                self._make_room(tier, self._octets(tier, meta, span), {block})
+                self._make_room(tier, self._octets(tier, meta, span), {block}, block[1])
                 base = meta.offsets[0]
                 lo, hi = meta.offsets[span[0]] - base, meta.offsets[span[1] + 1] - base
                 self._data[tier].write(block, meta, span, (data[lo:hi],))
@@ -488,22 +488,30 @@ class BlockStore:
 
     # -- making room ---------------------------------------------------------------------------
 
-    def _make_room(self, tier: Tier, octets: int, protect: set[BlockId]) -> None:
+    def _make_room(self, tier: Tier, octets: int, protect: set[BlockId], scope: str) -> None:
+        """Room for ``octets`` more of ``scope`` in ``tier``."""
         capacity = self._spec[tier].capacity
         while self._used[tier] + octets > capacity:
-            victim = self._victim(tier, protect)
+            victim = self._victim(tier, protect, scope, octets)
             if victim is None:
                 raise CapacityExhausted(f"tier {tier} has no room left that is not leased")
             self._demote_or_drop(victim, tier, protect)
 
-    def _victim(self, tier: Tier, protect: set[BlockId]) -> BlockId | None:
-        """The next block to move out of ``tier``: from the scope holding most of it (every
-        scope's fair share of a tier is the same, so that scope is the furthest over its share:
-        one tenant's flood takes its own blocks first, never all of another's), then lowest
-        priority, then least recently used."""
+    def _victim(
+        self, tier: Tier, protect: set[BlockId], scope: str, octets: int
+    ) -> BlockId | None:
+        """The next block to move out of ``tier`` for ``octets`` more of ``scope``: from the
+        scope that would hold most of it (every scope's fair share of a tier is the same, so
+        that scope is the furthest over its share; on a tie the one asking: one tenant's flood
+        takes its own blocks first, never another's share), then lowest priority, then least
+        recently used."""
         used = self._scope_used[tier]
-        for scope in sorted(used, key=used.__getitem__, reverse=True):
-            found = self._victim_in(tier, scope, protect)
+
+        def after(s: str) -> tuple[int, bool]:
+            return used[s] + (octets if s == scope else 0), s == scope
+
+        for candidate in sorted(used, key=after, reverse=True):
+            found = self._victim_in(tier, candidate, protect)
             if found is not None:
                 return found
         return None
@@ -588,7 +596,7 @@ class BlockStore:
     ) -> None:
         added = self._octets(lower, entry.meta, self._merged(entry, tier, lower))
         added -= self._lower_octets(entry, lower)
-        self._make_room(lower, added, protect | {block})
+        self._make_room(lower, added, protect | {block}, block[1])
         self._move(block, entry, tier, lower)
         self.stats.demotions[tier] = self.stats.demotions.get(tier, 0) + 1
         self._published(block, entry)
@@ -636,7 +644,7 @@ class BlockStore:
             self.drop(block)
             raise NotFound(f"{block_ref(block)} failed verification and was dropped") from exc
         before = self._octets(top, meta, current) if current else 0
-        self._make_room(top, wanted - before, {block})
+        self._make_room(top, wanted - before, {block}, block[1])
         up: list[memoryview] = []
         for tier, (a, b), data in held:
             base = meta.offsets[a]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvsp.core.ids import parse_compat_id
 from kvsp.controller.tenants import Tenant
+from kvsp.core.ids import parse_compat_id
 from kvsp.core.keys import block_keys, scope_id
 from kvsp.core.problems import ConfigurationError, InvalidInput
 from kvsp.core.records import ReplicaRecord
