@@ -101,6 +101,8 @@ class LocalCluster:
     scope_ids: dict[str, str] = field(default_factory=dict)
     #: a system prompt every tenant shares the blocks of (a shared scope, KVSP 4.2)
     shared_system: str | None = None
+    #: the Compatibility ID of the model the instances serve
+    compat_id: str = ""
 
     @property
     def api_key(self) -> str:
@@ -122,7 +124,7 @@ class LocalCluster:
         """Ports, tokens, the principals and tenants files, and the process list."""
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         files = installed()
-        compat = files.compat_id.hex()
+        compat = self.compat_id = files.compat_id.hex()
         index_port = free_port()
         holder_port = free_port()
         holder_url = f"http://127.0.0.1:{holder_port}/kvsp/"

@@ -217,6 +217,8 @@ class Tamper:
                     (k, b"sha-256=:" + b"A" * 43 + b"=:") if k == b"repr-digest" else (k, v)
                     for k, v in message["headers"]
                 ]
+            if message["type"] == "http.response.start" and self.mode == "no-digest":
+                message["headers"] = [(k, v) for k, v in message["headers"] if k != b"repr-digest"]
             if message["type"] == "http.response.body":
                 bodies += 1
                 body = bytearray(message["body"])
@@ -256,6 +258,36 @@ async def test_client_never_hands_out_octets_that_fail_verification(env: Env, mo
         assert received == []  # the first layer failed: nothing was handed out
     else:  # each layer matched its own digest, so each was handed out before Repr-Digest failed
         assert received == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("layers", [None, (1, 2)])
+async def test_an_answer_without_repr_digest_is_never_used_and_is_counted(
+    env: Env, layers: tuple[int, int] | None
+) -> None:
+    """KVSP 6.7: clients MUST verify Repr-Digest, so an answer without one fails even when every
+    layer matched its layer digest (a whole block, a range, or streamed)."""
+    record = await env.client("c1").put(env.holder, block_id(1), container(1))
+    async with serving(Tamper(env.app, "no-digest"), lifespan="off") as tampered:
+        client = env.client("c1")
+        record = record.model_copy(update={"holder": tampered})
+        with pytest.raises(DigestError, match="no Repr-Digest"):
+            await client.get(record, layers)
+        with pytest.raises(DigestError, match="no Repr-Digest"):
+            async for _ in client.stream(record, layers):
+                pass
+        assert client.refused == 2
+
+
+async def test_a_record_without_layer_digests_is_never_fetched_by_layer_range(env: Env) -> None:
+    record = await env.client("c1").put(env.holder, block_id(1), container(1))
+    bare = ReplicaRecord.parse({**record.to_json(), "layer_digests": None})
+    client = env.client("c1")
+    with pytest.raises(DigestError, match="never by layer range"):
+        await client.get(bare, (0, 1))
+    with pytest.raises(DigestError, match="never by layer range"):
+        async for _ in client.stream(bare, (2, 3)):
+            pass
+    assert (await client.get(bare)).digest() == record.digest_octets  # whole: checked whole
 
 
 async def test_blocks_received_together_are_checked_apart(

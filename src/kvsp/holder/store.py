@@ -497,9 +497,7 @@ class BlockStore:
                 raise CapacityExhausted(f"tier {tier} has no room left that is not leased")
             self._demote_or_drop(victim, tier, protect)
 
-    def _victim(
-        self, tier: Tier, protect: set[BlockId], scope: str, octets: int
-    ) -> BlockId | None:
+    def _victim(self, tier: Tier, protect: set[BlockId], scope: str, octets: int) -> BlockId | None:
         """The next block to move out of ``tier`` for ``octets`` more of ``scope``: from the
         scope that would hold most of it (every scope's fair share of a tier is the same, so
         that scope is the furthest over its share; on a tie the one asking: one tenant's flood

@@ -234,7 +234,13 @@ def openapi_document(title: str, base: str, ops: Sequence[Op]) -> dict[str, Any]
             "description": f"Who may call it: {op.who}.",
             "parameters": parameters,
             "responses": responses,
+            # who may call it, for machines: the roles checked before the endpoint runs
+            "x-kvsp-roles": [r.value for r in op.roles],
+            "x-kvsp-scope": op.scope,
+            "x-kvsp-api-key": op.api_key,
         }
+        if not op.roles:
+            operation["security"] = []  # no token asked for (an API key is the endpoint's)
         request = _content(op.body, models)
         if request is not None:
             operation["requestBody"] = {"required": True, "content": request}
