@@ -120,3 +120,19 @@ async def test_placement_prefetch_and_failover_across_real_services(tmp_path: Pa
             await asyncio.sleep(0.05)
         assert (view["instance"], view["epoch"]) == (i2, 1)
     assert controller.log.count(b"Traceback") == 0
+
+
+async def test_a_path_with_a_line_break_cannot_forge_a_log_line(tmp_path: Path) -> None:
+    """A path parameter with %0d%0a, reflected in the problem logged for it, stays one line."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.acme]\nscope_key = "{SCOPE_KEY}"\ncompat_ids = ["{COMPAT}"]\n')
+    controller = Service("controller", "serve", "--tenants", str(tenants), "--log-level", "info")
+    with running(controller):  # raw octets: an HTTP client may clean the target up
+        reader, writer = await asyncio.open_connection("127.0.0.1", controller.port)
+        writer.write(b"GET /kvsp/shards/m%0d%0aFORGED%20200%20OK HTTP/1.1\r\nhost: x\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 404 ")
+    lines = controller.log.decode().splitlines()
+    assert not [line for line in lines if line.startswith("FORGED")]
+    assert any("no shard map m\\x0d\\x0aFORGED 200 OK" in line for line in lines)

@@ -10,11 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvsp.core.problems import KvspError, NotFound, ServiceUnavailable
-from kvsp.core.records import LookupRequest, ReplicaRecord
+from kvsp.core.problems import KvspError, LeaseQuotaExceeded, NotFound, ServiceUnavailable
+from kvsp.core.records import LeaseRequest, LookupRequest, ReplicaRecord
 from kvsp.holder.client import HolderClient
 from kvsp.index.client import IndexClient
-from tests.holder.factories import COMPAT, SCOPE, block_id, container
+from tests.holder.factories import COMPAT, OTHER_SCOPE, SCOPE, block_id, container
 from tests.principals import principal
 from tests.servers import Service, free_port, running
 
@@ -177,3 +177,45 @@ async def test_a_flipped_byte_on_disk_is_withdrawn_at_restart(tmp_path: Path) ->
 async def _metrics(url: str) -> str:
     async with httpx.AsyncClient() as http:
         return (await http.get(url + "metrics", headers={"authorization": "Bearer scraper"})).text
+
+
+async def test_a_noisy_tenant_takes_neither_the_room_nor_the_leases_of_another(
+    tmp_path: Path,
+) -> None:
+    """Tenant A floods a 16-block holder with 120 blocks and leases all it may; tenant B's
+    blocks all stay, and B still gets its leases."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/kvsp/"
+    auth = tmp_path / "principals.toml"
+    auth.write_text(
+        principal("a", ["client"], scopes=[SCOPE])
+        + principal("b", ["client"], scopes=[OTHER_SCOPE])
+    )
+    size = len(block(0).tobytes())
+    room = str(16 * size + 40_000)  # 16 blocks and their metadata
+    holder = Service(
+        "holder", "serve", "--url", url, "--auth", str(auth), "--host-bytes", room,
+        "--lease-quota-bytes", str(4 * size), "--log-level", "warning", port=port,
+    )  # fmt: skip
+    with running(holder):
+        async with HolderClient("a") as a, HolderClient("b") as b:
+            mine = [await b.put(url, block_id(n, OTHER_SCOPE), block(n)) for n in range(4)]
+            flood = [await a.put(url, block_id(n, SCOPE), block(n)) for n in range(100, 220)]
+            for record in mine:  # every one of B's blocks, whole and verified
+                assert (await b.get(record)).digest() == record.digest_octets
+            for record in flood[-8:]:  # A's latest blocks are there, its oldest gone
+                assert (await a.get(record)).digest() == record.digest_octets
+            with pytest.raises(NotFound):
+                await a.get(flood[0])
+            lease = LeaseRequest(
+                compat_id=COMPAT, scope_id=SCOPE,
+                block_keys=tuple(r.block_key for r in flood[-4:]), ttl_ms=30_000,
+            )  # fmt: skip
+            await a.lease(url, lease)
+            with pytest.raises(LeaseQuotaExceeded):  # A's quota is used up
+                await a.lease(url, lease.model_copy(update={"block_keys": lease.block_keys[:1]}))
+            theirs = LeaseRequest(
+                compat_id=COMPAT, scope_id=OTHER_SCOPE,
+                block_keys=tuple(r.block_key for r in mine), ttl_ms=30_000,
+            )  # fmt: skip
+            assert (await b.lease(url, theirs)).ttl_ms == 30_000  # B's quota is B's own

@@ -4,6 +4,7 @@ and nothing held is lost or sent late; a service served this way answers as uvic
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import subprocess
 import sys
@@ -13,7 +14,14 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from kvsp.web.serving import HELD_OCTETS_LIMIT, FrontDoor, HeldWrites, parse_front_door
+from kvsp.web.serving import (
+    HELD_OCTETS_LIMIT,
+    FrontDoor,
+    HeldWrites,
+    PrintableFormatter,
+    parse_front_door,
+    printable,
+)
 from tests.servers import serving
 
 pytestmark = pytest.mark.anyio
@@ -162,3 +170,22 @@ def test_front_door_limits_come_from_name_value_settings() -> None:
     ]:
         with pytest.raises(ValueError, match=says):
             parse_front_door([bad])
+
+
+def test_a_logged_value_cannot_forge_a_line() -> None:
+    """Control characters a client sent (a path with %0d%0a, an escape sequence) are escaped in
+    the message; a traceback keeps its lines."""
+    assert printable("/kvsp/x\r\nFORGED 200\x1b[2J\u2028") == (
+        "/kvsp/x\\x0d\\x0aFORGED 200\\x1b[2J\\x2028"
+    )
+    formatter = PrintableFormatter("%(message)s")
+    record = logging.LogRecord("kvsp.test", logging.INFO, __file__, 1, "GET %s", ("/a\nb",), None)
+    assert formatter.format(record) == "GET /a\\x0ab"
+    try:
+        raise ValueError("x")
+    except ValueError:
+        failed = logging.LogRecord(
+            "kvsp.test", logging.ERROR, __file__, 1, "failed\n", (), sys.exc_info()
+        )
+    text = formatter.format(failed)
+    assert text.startswith("failed\\x0a\nTraceback")
