@@ -19,6 +19,7 @@ import re
 import stat
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,6 +29,7 @@ from kvsp.auth import token_sha256
 from kvsp.core.ids import tenant_session
 from kvsp.instance.model import ModelFiles
 from kvsp.local import LocalCluster
+from kvsp.web.openapi import access_rows
 from tests.holder.factories import container
 
 pytestmark = pytest.mark.slow
@@ -136,6 +138,17 @@ def test_every_route_answers_each_token_as_its_roles_and_scope_say(cluster: Any)
     print(f"authorization matrix: {checked} requests, {len(mismatches)} mismatches")
     assert checked > 400
     assert mismatches == []
+
+
+def test_docs_api_lists_every_route_with_who_may_call_it(cluster: Any) -> None:
+    """docs/api.md's access table is the one the running services enforce."""
+    up: LocalCluster = cluster
+    documented = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
+    with httpx.Client(timeout=10) as http:
+        for process in [up.index, up.holder, up.controller, up.instance_processes[0]]:
+            rows = access_rows(http.get(process.url + "openapi.json").json())
+            missing = [row for row in rows if row not in documented]
+            assert missing == [], f"{process.name}: {missing}"
 
 
 def _post(http: httpx.Client, url: str, key: str, **body: Any) -> httpx.Response:

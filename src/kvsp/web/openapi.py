@@ -114,12 +114,6 @@ class Op:
     api_key: bool = False
 
     @property
-    def callers(self) -> str:
-        if self.api_key:
-            return "tenant API key"
-        return ", ".join(r.value for r in self.roles) or "anyone"
-
-    @property
     def who(self) -> str:
         if self.api_key:
             return f"a tenant's API key (Authorization: Bearer), for {self.scope}"
@@ -175,9 +169,17 @@ def routes_of(base: str, title: str, ops: Sequence[Op], principals: Principals) 
     ]
 
 
-def access_rows(ops: Sequence[Op]) -> list[str]:
-    """The access table's rows (markdown) of ``ops``: route, roles, scope checked."""
-    return [f"| `{op.method} {op.path}` | {op.callers} | {op.scope or '-'} |" for op in ops]
+def access_rows(document: dict[str, Any]) -> list[str]:
+    """The access table's rows (markdown) of a service's OpenAPI document: route, who may call
+    it, and the scope checked (docs/api.md carries them; a test compares)."""
+    rows = []
+    for path, operations in document["paths"].items():
+        for method, op in operations.items():
+            callers = ", ".join(op["x-kvsp-roles"]) or "anyone"
+            if op["x-kvsp-api-key"]:
+                callers = "a tenant's API key"
+            rows.append(f"| `{method.upper()} {path}` | {callers} | {op['x-kvsp-scope'] or '-'} |")
+    return rows
 
 
 def _content(body: Body, models: dict[type[BaseModel], str]) -> dict[str, Any] | None:
