@@ -349,9 +349,10 @@ class VllmInstanceService(InstanceService):
 
     def _announce(self, session: Session, progress: _Progress) -> None:
         """Tell the session index about the session's blocks as their tokens complete."""
-        scope = session.tenant.scope_id
-        keys = list(session.prompt_blocks) + [k.hex() for k in session.chain.keys]
-        for i in range(progress.announced, len(keys)):
-            parent = (self.compat_id, scope, keys[i - 1]) if i else None
-            self.kv.completed(session.session, (self.compat_id, scope, keys[i]), parent)
-        progress.announced = len(keys)
+        count = len(session.prompt_blocks) + len(session.chain.keys)
+        for i in range(progress.announced, count):
+            block = session.block_of(self.compat_id, i)
+            if block is not None:  # each block in its scope: a shared prefix's, or the tenant's
+                parent = session.block_of(self.compat_id, i - 1) if i else None
+                self.kv.completed(session.session, block, parent)
+        progress.announced = count
