@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvsp.core.config import config_table, load_toml
 from kvsp.core.ids import HEX16_PATTERN
 from kvsp.core.problems import ConfigurationError, Forbidden, Unauthenticated
 from kvsp.core.urls import canonical_url
@@ -110,11 +110,7 @@ def _strings(entry: Mapping[str, Any], key: str, name: str) -> list[str]:
 
 
 def _principal(name: str, entry: Any) -> tuple[str, Principal]:
-    if not isinstance(entry, dict):
-        raise ConfigurationError(f"principal {name!r} must be a table")
-    unknown = set(entry) - {"token_sha256", "roles", "holders", "scopes"}
-    if unknown:
-        raise ConfigurationError(f"principal {name!r}: unknown keys {', '.join(sorted(unknown))}")
+    config_table(entry, f"principal {name!r}", ("token_sha256", "roles", "holders", "scopes"))
     digest = entry.get("token_sha256")
     if not isinstance(digest, str) or _HEX64.fullmatch(digest) is None:
         raise ConfigurationError(
@@ -151,10 +147,7 @@ class Principals:
 
     @classmethod
     def parse(cls, text: str) -> Principals:
-        try:
-            doc = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigurationError(f"principals file is not TOML: {exc}") from None
+        doc = load_toml(text, "principals file")
         table = doc.get("principals")
         if not isinstance(table, dict) or not table:
             raise ConfigurationError("principals file needs a non-empty [principals] table")

@@ -258,6 +258,12 @@ def _principals(auth: Path | None, host: str) -> Principals:
 
 
 #: the front door's limits, one ``--http-limit NAME=VALUE`` each (every service takes them)
+#: the tenants' quotas by Scope ID, for holders and the Index Service
+QuotasFile = Annotated[
+    Path | None, typer.Option("--quotas", help="per-scope quotas (kvsp tenants quotas)")
+]
+
+
 HttpLimits = Annotated[
     list[str] | None,
     typer.Option(
@@ -295,9 +301,7 @@ def index_serve_command(
     max_scope_records: Annotated[
         int, typer.Option("--max-scope-records", min=1, help="records per scope by default")
     ] = 1_000_000,
-    quotas: Annotated[
-        Path | None, typer.Option("--quotas", help="per-scope quotas (kvsp tenants quotas)")
-    ] = None,
+    quotas: QuotasFile = None,
     max_layers: Annotated[int, typer.Option("--max-layers", min=1, max=65_535)] = 1024,
     max_body_bytes: Annotated[str, typer.Option("--max-body-bytes")] = "16M",
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
@@ -354,9 +358,7 @@ def holder_serve_command(
     max_leases: Annotated[
         int, typer.Option("--max-leases", min=1, help="valid leases per scope by default")
     ] = 4096,
-    quotas: Annotated[
-        Path | None, typer.Option("--quotas", help="per-scope quotas (kvsp tenants quotas)")
-    ] = None,
+    quotas: QuotasFile = None,
     lease_max_ttl_ms: Annotated[int, typer.Option("--lease-max-ttl-ms", min=1)] = 60_000,
     record_ttl_ms: Annotated[int, typer.Option("--record-ttl-ms", min=2)] = 600_000,
     max_block_bytes: Annotated[str, typer.Option("--max-block-bytes")] = "256M",

@@ -21,12 +21,12 @@ docs/operations.md). Sans-IO: parsing and lookup only.
 from __future__ import annotations
 
 import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from kvsp.core.config import config_table, load_toml
 from kvsp.core.ids import HEX16_PATTERN
 from kvsp.core.problems import ConfigurationError
 
@@ -84,12 +84,7 @@ def _value(name: str, value: Any, where: str) -> int:
 
 def parse_quota(table: Any, where: str) -> Quota:
     """A ``Quota`` from a TOML table (``where`` names it in errors)."""
-    if not isinstance(table, dict):
-        raise ConfigurationError(f"{where} must be a table")
-    known = {f.name for f in fields(Quota)}
-    unknown = set(table) - known
-    if unknown:
-        raise ConfigurationError(f"{where}: unknown quotas {', '.join(sorted(unknown))}")
+    config_table(table, where, [f.name for f in fields(Quota)])
     return Quota(**{name: _value(name, v, where) for name, v in table.items()})
 
 
@@ -110,13 +105,7 @@ class Quotas:
 
     @classmethod
     def parse(cls, text: str) -> Quotas:
-        try:
-            doc = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigurationError(f"quotas file is not TOML: {exc}") from None
-        unknown = set(doc) - {"quota", "scopes"}
-        if unknown:
-            raise ConfigurationError(f"quotas file: unknown tables {', '.join(sorted(unknown))}")
+        doc = config_table(load_toml(text, "quotas file"), "quotas file", ("quota", "scopes"))
         scopes = doc.get("scopes", {})
         if not isinstance(scopes, dict):
             raise ConfigurationError("quotas file: [scopes.ID] tables")

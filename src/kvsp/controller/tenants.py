@@ -26,13 +26,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-import tomllib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvsp.auth import Principal
+from kvsp.core.config import config_table, load_toml
 from kvsp.core.ids import HEX32_PATTERN, parse_block_key, parse_compat_id
 from kvsp.core.keys import ROOT_PARENT, scope_id
 from kvsp.core.problems import ConfigurationError, Forbidden, NotFound
@@ -87,12 +87,17 @@ class Tenant:
             raise Forbidden(f"tenant {self.name!r} may not use compatibility {compat_id}")
 
 
-def _tenant(name: str, entry: Any) -> Tenant:
-    if not isinstance(entry, dict):
-        raise ConfigurationError(f"tenant {name!r} must be a table")
+def _scope_key(entry: dict[str, Any], where: str) -> bytes:
     key = entry.get("scope_key")
     if not isinstance(key, str) or _HEX.fullmatch(key) is None or len(key) < 64:
-        raise ConfigurationError(f"tenant {name!r}: scope_key must be hex of >= 32 octets")
+        raise ConfigurationError(f"{where}: scope_key must be hex of >= 32 octets")
+    return bytes.fromhex(key)
+
+
+def _tenant(name: str, entry: Any) -> Tenant:
+    where = f"tenant {name!r}"
+    config_table(entry, where, ("scope_key", "compat_ids", "api_keys_sha256", "quota"))
+    octets = _scope_key(entry, where)
     compat = entry.get("compat_ids", [])
     if not isinstance(compat, list) or not all(
         isinstance(c, str) and _HEX32.fullmatch(c) for c in compat
@@ -103,19 +108,13 @@ def _tenant(name: str, entry: Any) -> Tenant:
         isinstance(a, str) and _HEX64.fullmatch(a) for a in api
     ):
         raise ConfigurationError(f"tenant {name!r}: api_keys_sha256 must be hex SHA-256 values")
-    octets = bytes.fromhex(key)
     return Tenant(name, octets, scope_id(octets).hex(), frozenset(compat), frozenset(api))
 
 
 def _shared(name: str, entry: Any, tokenize: Tokenize | None) -> tuple[SharedScope, list[str]]:
-    if not isinstance(entry, dict):
-        raise ConfigurationError(f"shared scope {name!r} must be a table")
-    unknown = set(entry) - {"scope_key", "tenants", "prefix_tokens", "prefix_system"}
-    if unknown:
-        raise ConfigurationError(f"shared scope {name!r}: unknown keys {sorted(unknown)}")
-    key = entry.get("scope_key")
-    if not isinstance(key, str) or _HEX.fullmatch(key) is None or len(key) < 64:
-        raise ConfigurationError(f"shared scope {name!r}: scope_key must be hex of >= 32 octets")
+    where = f"shared scope {name!r}"
+    config_table(entry, where, ("scope_key", "tenants", "prefix_tokens", "prefix_system"))
+    octets = _scope_key(entry, where)
     allowed = entry.get("tenants")
     if not isinstance(allowed, list) or not allowed or not all(isinstance(t, str) for t in allowed):
         raise ConfigurationError(f"shared scope {name!r}: tenants must list tenant names")
@@ -135,7 +134,6 @@ def _shared(name: str, entry: Any, tokenize: Tokenize | None) -> tuple[SharedSco
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in tokens
     ):
         raise ConfigurationError(f"shared scope {name!r}: prefix_tokens must be token ids")
-    octets = bytes.fromhex(key)
     return SharedScope(name, octets, scope_id(octets).hex(), tuple(tokens)), allowed
 
 
@@ -154,10 +152,7 @@ class Tenants:
         """The tenants of ``text``; ``tokenize`` turns a chat's system prompt into the tokens a
         conversation with it begins with (``kvsp.instance.model.system_prefix``), needed only
         where a shared scope gives ``prefix_system``."""
-        try:
-            doc = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigurationError(f"tenants file is not TOML: {exc}") from None
+        doc = load_toml(text, "tenants file")
         tables = doc.get("tenants")
         if not isinstance(tables, dict) or not tables:
             raise ConfigurationError("tenants file needs at least one [tenants.NAME] table")
