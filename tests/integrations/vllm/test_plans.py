@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvsp.controller.tenants import Tenant
@@ -9,6 +11,7 @@ from kvsp.core.ids import parse_compat_id
 from kvsp.core.keys import block_keys, scope_id
 from kvsp.core.problems import ConfigurationError, InvalidInput
 from kvsp.core.records import ReplicaRecord
+from kvsp.core.shared import SharedScope
 from kvsp.integrations.vllm.plans import (
     BlockLoad,
     RequestPlan,
@@ -109,9 +112,18 @@ def test_fetch_ranges_follow_the_holders_tiers_and_the_chunk() -> None:
 
 
 def test_page_positions_and_block_sizes() -> None:
-    plan = RequestPlan("r", COMPAT, "ab" * 8, (4, 9, 2))
+    plan = RequestPlan("r", COMPAT, (4, 9, 2))
     assert plan.page_of(0, 128) == (4, 0)
     assert plan.page_of(144, 128) == (9, 16)
     check_block_sizes(16, 128)
     with pytest.raises(ConfigurationError, match="multiple"):
         check_block_sizes(48, 128)
+
+
+def test_the_blocks_of_a_shared_prefix_are_saved_in_its_scope() -> None:
+    shared = SharedScope("system", b"s" * 32, scope_id(b"s" * 32).hex(), tuple(TOKENS[:32]))
+    tenant = replace(TENANT, shared=(shared,))
+    t = TrackedRequest.start(tenant, parse_compat_id(COMPAT), 16)
+    _, saves = t.step(TOKENS, len(TOKENS))
+    assert [s.scope_id for s in saves] == [shared.scope_id] * 2 + [TENANT.scope_id] * 4
+    assert [s.key for s in saves[:2]] == shared.keys(parse_compat_id(COMPAT), 16)

@@ -370,7 +370,6 @@ class KVSPConnector(KVConnectorBase_V1):
                     RequestPlan(
                         request_id,
                         self.compat_hex,
-                        tracked.scope_id,
                         tuple(pages),
                         loads,
                         tuple(saves),

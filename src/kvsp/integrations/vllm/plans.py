@@ -75,7 +75,7 @@ class BlockSave:
     key: str
     first_token: int
     #: the block's scope: the tenant's, or a shared prefix's
-    scope_id: str = ""
+    scope_id: str
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,6 @@ class RequestPlan:
 
     request: str
     compat_id: str
-    scope_id: str
     #: the request's vLLM block ids, in token order
     pages: tuple[int, ...]
     loads: tuple[BlockLoad, ...] = ()
@@ -100,7 +99,6 @@ class TrackedRequest:
     """A request served for one tenant: its keys and how far its KV is settled."""
 
     compat_id: CompatId
-    scope_id: str
     block_tokens: int
     chain: ScopedChain
     #: keys given for the leading blocks (a resumed session), whose token ids are placeholders
@@ -126,8 +124,7 @@ class TrackedRequest:
         chain = tenant.chain_after(compat_id.hex(), block_tokens, given)
         n = len(given)
         return cls(
-            compat_id, tenant.scope_id, block_tokens, chain, tuple(given), n * block_tokens,
-            settled=n,
+            compat_id, block_tokens, chain, tuple(given), n * block_tokens, settled=n,
         )  # fmt: skip
 
     def scope_of(self, index: int) -> str:
