@@ -33,14 +33,21 @@ from starlette.routing import Route
 
 from kvsp.core.container import Container
 from kvsp.core.digests import repr_digest_of
-from kvsp.core.ids import parse_compat_id
+from kvsp.core.ids import parse_compat_id, tenant_session
 from kvsp.core.keys import block_keys, scope_id
 from kvsp.core.records import ReplicaRecord, Sampler
 from kvsp.holder.blocks import BlockMeta
 from kvsp.index.client import IndexClient
 from kvsp.instance.engine import Engine, KvState
 from kvsp.instance.model import ModelFiles
-from tests.integration.instances import PROMPT, Cluster, active, eventually, generate
+from tests.integration.instances import (
+    PROMPT,
+    SCOPE_KEY,
+    Cluster,
+    active,
+    eventually,
+    generate,
+)
 from tests.servers import running, serving
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -245,6 +252,8 @@ async def test_controller_resumes_a_vllm_session_on_another_vllm_instance(
     a, b = cluster.instance("--engine", "vllm"), cluster.instance("--engine", "vllm")
     expected = greedy(engine, PROMPT, 40)
     session = str(uuid.uuid4())
+    # the controller keeps the tenant's session under its namespaced UUID
+    placed_as = tenant_session(scope_id(bytes.fromhex(SCOPE_KEY)).hex(), session)
     killed: list[str] = []
     chunks: list[dict[str, Any]] = []
     with running(cluster.index, cluster.holder, cluster.controller, a, b):
@@ -267,7 +276,8 @@ async def test_controller_resumes_a_vllm_session_on_another_vllm_instance(
                     continue
                 chunks.append(json.loads(line[6:]))
                 if chunks[-1].get("kvsp", {}).get("index") == 19 and not killed:
-                    serving_now = (await http.get(f"{pc}sessions/{session}")).json()["instance"]
+                    view = await http.get(f"{pc}sessions/{placed_as}")
+                    serving_now = view.json()["instance"]
                     victim = a if serving_now == a.base_url else b
                     victim.stop(signal.SIGKILL)
                     killed.append(serving_now)
