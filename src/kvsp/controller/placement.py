@@ -96,9 +96,10 @@ class PlacementRequest:
 
     def parts(self) -> list[tuple[str, tuple[str, ...]]]:
         """The keys by scope, in order: the shared prefix's (if any), then the tenant's."""
-        n = self.shared_blocks if self.shared_scope is not None else 0
-        parts = [(self.shared_scope, self.block_keys[:n])] if n else []
-        return [*parts, (self.scope_id, self.block_keys[n:])]  # type: ignore[list-item]
+        if self.shared_scope is None or not self.shared_blocks:
+            return [(self.scope_id, self.block_keys)]
+        n = self.shared_blocks
+        return [(self.shared_scope, self.block_keys[:n]), (self.scope_id, self.block_keys[n:])]
 
 
 @dataclass(frozen=True)
