@@ -18,7 +18,7 @@ from kvsp.sim.runner import Run, WorkloadSpec, build_workload, run_all
 from kvsp.sim.scenario import load_scenario
 
 LIMIT_S = 300.0
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "conversation_trace.jsonl"
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
-"""Shared fixtures: where the public vectors live, and a fast hypothesis profile."""
+"""Shared fixtures: the public vectors (tests/vectors, copies kept with their sources), and a
+fast hypothesis profile."""
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,8 +12,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = Path(os.environ.get("KVSP_SHARED", ROOT.parent / "shared"))
-VECTORS = SHARED / "vectors"
+VECTORS = ROOT / "tests" / "vectors"
+#: the public request traces the simulator replays (copies kept with their sources)
+TRACES = ROOT / "data" / "traces"
 
 settings.register_profile(
     "kvsp", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -24,7 +25,7 @@ settings.load_profile("kvsp")
 def load_vector(name: str) -> Any:
     path = VECTORS / name
     if not path.exists():
-        pytest.fail(f"test vectors missing: {path} (set KVSP_SHARED to the shared/ folder)")
+        pytest.fail(f"test vector missing: {path}")
     return json.loads(path.read_text(encoding="utf-8"))
 
 

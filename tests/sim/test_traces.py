@@ -11,9 +11,8 @@ from kvsp.core.ids import parse_compat_id
 from kvsp.core.keys import block_keys
 from kvsp.core.problems import ConfigurationError
 from kvsp.sim.traces import TraceKeys, TraceRequest, block_reuse, load, tokens_of
-from tests.conftest import SHARED
+from tests.conftest import TRACES
 
-TRACES = SHARED / "traces"
 SCOPE_KEY = bytes.fromhex("55" * 32)
 COMPAT = parse_compat_id("c0" * 32)
 
