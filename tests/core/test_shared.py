@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvsp.core.ids import CompatId, parse_block_key
 from kvsp.core.keys import ROOT_PARENT, block_keys, scope_id
-from kvsp.core.shared import ScopedChain, SharedScope, shared_blocks
+from kvsp.core.shared import ScopedChain, SharedScope, scope_runs, shared_blocks
 
 COMPAT = CompatId(bytes(range(32)))
 TENANT_KEY, SHARED_KEY = b"t" * 32, b"s" * 32
@@ -95,3 +95,13 @@ def test_of_two_prefixes_the_first_block_chooses() -> None:
     keys = scoped.extend([1, 2, 3, 4, 5, 6, 7, 8, 9])
     assert keys == block_keys(b"o" * 32, COMPAT, [1, 2, 3, 4, 5, 6, 7, 8], B)
     assert scoped.shared == other
+
+
+def test_scope_runs_cut_a_sequence_where_its_scope_changes() -> None:
+    scoped = chain(PUBLIC)
+    scoped.extend([*PREFIX, 7, 7, 8, 8, 9, 9])
+    assert scope_runs(["k2", "k3", "k4"], scoped.scope_of, 2) == [
+        (SHARED, ["k2"]),
+        (TENANT, ["k3", "k4"]),
+    ]
+    assert scope_runs([], scoped.scope_of) == []

@@ -15,13 +15,17 @@ one are the tenant's. Sans-IO, pure.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvsp.core.ids import BlockKey, CompatId
 from kvsp.core.keys import ROOT_PARENT, BlockKeyChain, Tokens, block_keys
 
-__all__ = ["ScopedChain", "SharedScope", "shared_blocks"]
+__all__ = ["ScopedChain", "SharedScope", "scope_runs", "shared_blocks"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,18 @@ def shared_blocks(
         if count:
             return shared, count
     return None, 0
+
+
+def scope_runs(
+    items: Sequence[T], scope_of: Callable[[int], str], first: int = 0
+) -> list[tuple[str, list[T]]]:
+    """``items`` (blocks ``first``, ``first + 1``, ... of a sequence) cut into runs of one scope,
+    in order: what one lookup can ask for (a lookup names one scope)."""
+    scoped = zip(map(scope_of, itertools.count(first)), items, strict=False)
+    return [
+        (scope, [item for _, item in run])
+        for scope, run in itertools.groupby(scoped, lambda p: p[0])
+    ]
 
 
 class ScopedChain:

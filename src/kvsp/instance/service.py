@@ -74,7 +74,7 @@ from kvsp.core.records import (
     SessionCheckpoint,
 )
 from kvsp.core.registries import Tier
-from kvsp.core.shared import ScopedChain
+from kvsp.core.shared import ScopedChain, scope_runs
 from kvsp.core.urls import canonical_url
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.client import HolderClient
@@ -515,16 +515,12 @@ class InstanceService:
 
         out = await self.holder.call(read_local)
         rest = blocks[len(out) :]
-        while rest and self.index is not None:  # one lookup per scope (a shared prefix's first)
-            n = 1
-            while n < len(rest) and rest[n][1] == rest[0][1]:
-                n += 1
-            part = rest[:n]
+        runs = scope_runs(rest, session.chain.scope_of, len(out)) if self.index else []
+        for _, part in runs:  # one lookup per scope: a shared prefix's first
             found = await self._load_remote(session, part)
             out += found
             if len(found) < len(part):
                 break
-            rest = rest[len(part) :]
         self.kv.reused(session.session, blocks[: len(out)])
         return out
 

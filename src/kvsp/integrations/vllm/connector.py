@@ -54,6 +54,7 @@ from kvsp.core.problems import (
 )
 from kvsp.core.records import LookupRequest, ReplicaRecord
 from kvsp.core.registries import CODEC_RAW
+from kvsp.core.shared import scope_runs
 from kvsp.holder.blocks import MAX_BLOCK_OCTETS
 from kvsp.holder.client import HolderClient
 from kvsp.index.client import IndexClient
@@ -318,13 +319,7 @@ class KVSPConnector(KVConnectorBase_V1):
         first = computed // self.block_tokens
         near = self.settings.holder_url
         found: list[BlockLoad] = []
-        while len(found) < len(wanted):  # one lookup per scope: a shared prefix's first
-            scope = tracked.scope_of(first + len(found))
-            part = [
-                k
-                for i, k in enumerate(wanted[len(found) :], first + len(found))
-                if tracked.scope_of(i) == scope
-            ]
+        for scope, part in scope_runs(wanted, tracked.scope_of, first):  # a shared prefix's first
             query = LookupRequest(scope_id=scope, compat_id=self.compat_hex, block_keys=tuple(part))
             try:
                 answer = self._loop.run(self._index_client().lookup(query), self.settings.timeout_s)
