@@ -91,9 +91,12 @@ async def generate(base: str, tokens: list[int], max_tokens: int, **extra: Any) 
     return {"tokens": [x["token"] for x in lines[:-1]], "summary": lines[-1], "lines": lines[:-1]}
 
 
-async def residency(index: str, compat: str, tokens: list[int], holder: str) -> list[list[Any]]:
-    """The residency at ``holder`` of the first block of ``tokens``, as the IS has it."""
-    key = block_keys(bytes.fromhex(SCOPE_KEY), parse_compat_id(compat), tokens[:16], 16)[0]
+async def residency(
+    index: str, compat: str, tokens: list[int], holder: str, block: int = 0
+) -> list[list[Any]]:
+    """The residency at ``holder`` of block ``block`` of ``tokens``, as the IS has it."""
+    prefix = tokens[: (block + 1) * 16]
+    key = block_keys(bytes.fromhex(SCOPE_KEY), parse_compat_id(compat), prefix, 16)[block]
     body = {"scope_id": scope_id(bytes.fromhex(SCOPE_KEY)).hex(), "compat_id": compat,
             "block_keys": [key.hex()]}  # fmt: skip
     async with httpx.AsyncClient(timeout=30) as http:

@@ -161,8 +161,11 @@ async def test_the_controller_pins_for_a_tool_gap_shares_on_a_move_and_demotes_a
             turn2 = PROMPT + turn["tokens"] + [13, 1073, 314]
             placed = (await http.post(pc + "place", json={**place, "tokens": turn2})).json()
             assert placed["instance"] == other.base_url
-            held = lambda: residency(cluster.index.base_url, compat, PROMPT, other.base_url)  # noqa: E731
-            await eventually(held, [["device", [0, 29]]])
+            for block in range(4):  # every block of the session's KV has been shared
+                held = lambda b=block: residency(  # noqa: E731
+                    cluster.index.base_url, compat, PROMPT + turn["tokens"], other.base_url, b
+                )
+                await eventually(held, [["device", [0, 29]]])
             second = await generate(other.base_url, turn2, 8, session=session)
             assert second["summary"]["cached"] == {"g1": 64}  # shared, then found locally
 
