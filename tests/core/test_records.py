@@ -35,6 +35,7 @@ from kvsp.core.records import (
     StateAnswer,
     StateChange,
     decode_moqt_namespace,
+    split_prompt,
 )
 
 HEX32 = "ab" * 32
@@ -505,3 +506,50 @@ def test_a_record_verifies_the_container_it_describes() -> None:
     assert record.layer_count == 3
     fetched = Container.parse(container.slice(1, 2).tobytes())
     fetched.verify(record.layer_digest_octets(), record.digest_octets)
+
+
+@given(
+    tokens=st.lists(st.integers(0, 1000), min_size=1, max_size=80),
+    block_tokens=st.integers(1, 20),
+    generated=st.lists(st.integers(0, 1000), max_size=5),
+)
+def test_a_checkpoint_holds_a_prompt_as_the_text_writes_it_and_resumes_from_it(
+    tokens: list[int], block_tokens: int, generated: list[int]
+) -> None:
+    blocks, tail, last_block = split_prompt(tokens, block_tokens)
+    # KVSP 4.4: every complete block, then only the tokens after the last one
+    assert blocks == len(tokens) // block_tokens
+    assert len(tail) < block_tokens
+    assert blocks * block_tokens + len(tail) == len(tokens)
+    assert last_block == (tuple(tokens[-block_tokens:]) if blocks and not tail else None)
+    record = SessionCheckpoint.parse(
+        checkpoint(
+            prompt_blocks=[HEX32] * blocks,
+            prompt_tail=list(tail),
+            generated=generated,
+            output_offset=len(generated),
+            last_block=None if last_block is None else list(last_block),
+        )
+    )
+    start, known = record.resume_input(block_tokens)
+    # what the engine loads and what it computes make up the prompt and the output so far,
+    # and the last known token is always computed (the next token needs its logits)
+    assert start <= blocks
+    assert known
+    assert list(known) == (tokens + generated)[start * block_tokens :]
+
+
+def test_a_boundary_checkpoint_needs_its_last_block_and_a_tail_is_under_a_block() -> None:
+    boundary = SessionCheckpoint.parse(checkpoint(prompt_tail=[], generated=[], output_offset=0))
+    with pytest.raises(RecordError, match="last_block"):
+        boundary.resume_input(16)
+    assert "last_block" not in boundary.to_json()  # absent unless sent
+    with pytest.raises(RecordError, match="last_block"):  # of the wrong length
+        boundary.model_copy(update={"last_block": (1, 2)}).resume_input(16)
+    whole = SessionCheckpoint.parse(checkpoint(prompt_tail=list(range(16))))
+    with pytest.raises(RecordError, match="whole block"):
+        whole.resume_input(16)
+    with pytest.raises(RecordError, match="no prompt"):
+        SessionCheckpoint.parse(
+            checkpoint(prompt_blocks=[], prompt_tail=[], generated=[], output_offset=0)
+        ).resume_input(16)

@@ -236,7 +236,8 @@ async def test_6_3_idle_instances_ask_to_sleep_and_only_the_controller_wakes_the
             refused = await http.post(
                 asleep + "generate", json={"tenant": "acme", "tokens": PROMPT, "max_tokens": 1}
             )
-            assert refused.status_code == 503
+            assert refused.status_code == 409
+            assert refused.json()["type"].endswith("#kvsp-not-accepting")
             woken = await http.put(
                 pc + "instances/state", json={"instance": asleep, "state": "active"}
             )

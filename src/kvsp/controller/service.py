@@ -57,6 +57,7 @@ from kvsp.core.records import (
     Sampler,
     SessionCheckpoint,
     ShardMap,
+    split_prompt,
 )
 from kvsp.core.shared import ScopedChain
 from kvsp.core.urls import canonical_url
@@ -370,18 +371,18 @@ class ControllerService:
         )
         first = None
         if session is not None:
+            blocks, tail, last_block = split_prompt(tokens, block_tokens)
             first = SessionCheckpoint(
                 session=session,
                 epoch=0,
                 compat_id=compat_id,
                 scope_id=tenant.scope_id,
-                # the last prompt token is always in the tail: a resumed instance must compute
-                # it to get the logits of the first output token
-                prompt_blocks=keys[: (len(tokens) - 1) // block_tokens],
-                prompt_tail=tuple(tokens[(len(tokens) - 1) // block_tokens * block_tokens :]),
+                prompt_blocks=keys[:blocks],
+                prompt_tail=tail,
                 generated=(),
                 output_offset=0,
                 sampler=sampler or Sampler(method="greedy", deterministic=True),
+                last_block=last_block,
             )
         active = [i.status for i in self.instances.active()]
         sleeping = [i.status for i in self.instances.sleeping()]

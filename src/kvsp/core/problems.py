@@ -30,6 +30,7 @@ status it maps to, so a server never has to invent a status or string-match a me
      +-- StaleEpoch                         409 kvsp-stale-epoch
      +-- IllegalTransition                  409 kvsp-illegal-transition
      |    +-- InstanceFailed                409 kvsp-instance-failed  (rejoin with a new epoch)
+     |    +-- NotAccepting                  409 kvsp-not-accepting  (draining or asleep)
      +-- AlreadyStored                      412 kvsp-already-stored
      +-- PayloadTooLarge                    413 kvsp-payload-too-large
      +-- UriTooLong                         414 kvsp-uri-too-long
@@ -67,6 +68,7 @@ __all__ = [
     "LayersUnavailable",
     "LeaseQuotaExceeded",
     "MethodNotAllowed",
+    "NotAccepting",
     "NotFound",
     "PayloadTooLarge",
     "PreconditionRequired",
@@ -218,6 +220,14 @@ class InstanceFailed(IllegalTransition):
 
     slug = "kvsp-instance-failed"
     title = "Instance marked failed; report again with a new epoch"
+
+
+class NotAccepting(IllegalTransition):
+    """A draining or sleeping instance refuses new sessions, resumed ones included (KVSP 6.3):
+    409, since the request conflicts with the instance's state; the PC places it elsewhere."""
+
+    slug = "kvsp-not-accepting"
+    title = "Instance accepts no new sessions"
 
 
 class RequestTimeout(KvspError):

@@ -15,7 +15,7 @@ import binascii
 import itertools
 import re
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
@@ -84,6 +84,7 @@ __all__ = [
     "TokenRange",
     "Uuid",
     "decode_moqt_namespace",
+    "split_prompt",
 ]
 
 #: Bound on keys in one request body, so no client can make a service hold unbounded lists.
@@ -383,12 +384,47 @@ class SessionCheckpoint(Record):
     generated: Annotated[tuple[TokenId, ...], Field(max_length=1 << 20)]
     output_offset: U32
     sampler: Sampler
+    #: extension member (KVSP 4.4: receivers ignore what they do not know): the tokens of the
+    #: last prompt block, sent when ``prompt_tail`` and ``generated`` are empty. The logits
+    #: after the last prompt token are in no KV cache, so an engine resuming there recomputes
+    #: that block; the text's members alone name it only by its key
+    last_block: Annotated[tuple[TokenId, ...], Field(max_length=1 << 16)] | None = None
 
     @model_validator(mode="after")
     def _covers_generated(self) -> Self:
         if self.output_offset != len(self.generated):
             raise ValueError("output_offset must equal the number of generated tokens")
         return self
+
+    def resume_input(self, block_tokens: int) -> tuple[int, tuple[int, ...]]:
+        """How a resumed engine starts (6.8, steps 1-2): the number of leading prompt blocks
+        it may load, and the tokens it then computes. The last known token is always
+        computed, since the next token needs its logits. ``RecordError`` for a checkpoint that
+        does not fit ``block_tokens`` or that ends on a block boundary without ``last_block``."""
+        if len(self.prompt_tail) >= block_tokens:
+            raise RecordError(f"prompt_tail holds a whole block of {block_tokens} tokens or more")
+        known = self.prompt_tail + self.generated
+        if known:
+            return len(self.prompt_blocks), known
+        if not self.prompt_blocks:
+            raise RecordError("the checkpoint holds no prompt")
+        if self.last_block is None or len(self.last_block) != block_tokens:
+            raise RecordError(
+                "the checkpoint ends on a block boundary with nothing generated: resuming it "
+                f"needs last_block, the {block_tokens} tokens of its last prompt block"
+            )
+        return len(self.prompt_blocks) - 1, self.last_block
+
+
+def split_prompt(
+    tokens: Sequence[int], block_tokens: int
+) -> tuple[int, tuple[int, ...], tuple[int, ...] | None]:
+    """A prompt as a checkpoint holds it (4.4): its complete blocks, the tokens after them
+    (``prompt_tail``), and ``last_block`` when the tail is empty."""
+    blocks = len(tokens) // block_tokens
+    tail = tuple(tokens[blocks * block_tokens :])
+    last = tuple(tokens[-block_tokens:]) if blocks and not tail else None
+    return blocks, tail, last
 
 
 TokenRange = tuple[U32, U32]

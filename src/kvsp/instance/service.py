@@ -57,6 +57,7 @@ from kvsp.core.problems import (
     InvalidInput,
     KvspError,
     MethodNotAllowed,
+    NotAccepting,
     NotFound,
     ServiceUnavailable,
 )
@@ -72,6 +73,7 @@ from kvsp.core.records import (
     ReshardPlan,
     Sampler,
     SessionCheckpoint,
+    split_prompt,
 )
 from kvsp.core.registries import Tier
 from kvsp.core.shared import ScopedChain, scope_runs
@@ -193,6 +195,9 @@ class Session:
     max_tokens: int
     prompt_blocks: tuple[str, ...]
     prompt_tail: tuple[int, ...]
+    #: the tokens of the last prompt block when the prompt ends on a block boundary (a
+    #: checkpoint's extension member ``last_block``: what resuming it there recomputes)
+    last_block: tuple[int, ...] | None
     #: keys of the blocks after the prompt blocks (tail + output), extended as tokens come; it
     #: knows each block's scope (a shared prefix's first blocks are in a shared scope)
     chain: ScopedChain
@@ -207,6 +212,9 @@ class Session:
     #: hints to execute once the request is done (sent by this controller), and their outcomes
     hints: tuple[Principal, KvHints] | None = None
     hint_outcomes: list[HintOutcome] = field(default_factory=list)
+    #: whether the engine has taken a step of it (before that it is queued: loading its
+    #: cache or waiting behind other sessions' steps)
+    begun: bool = False
     done: bool = False
     error: str | None = None
     #: why generation was stopped early (read by the engine thread between steps)
@@ -242,6 +250,7 @@ class Session:
             generated=tuple(self.generated),
             output_offset=n,
             sampler=self.sampler.model_copy(update={"step": n}),
+            last_block=None if n or self.prompt_tail else self.last_block,
         )
 
     @property
@@ -361,7 +370,16 @@ class InstanceService:
     def running(self) -> int:
         return sum(1 for s in self.sessions.values() if not s.done)
 
+    def engine_load(self) -> tuple[int, int]:
+        """Sessions waiting for the engine (``queued``: admitted, no step taken yet) and the
+        sessions it is advancing together (``batch_size``: their steps interleave on the
+        engine thread, each at a share of its rate)."""
+        live = [s for s in self.sessions.values() if not s.done]
+        begun = sum(s.begun for s in live)
+        return len(live) - begun, begun
+
     def status(self) -> InstanceStatusRecord:
+        queued, batch = self.engine_load()
         links = [
             {"holder": holder, "mbit_per_s": rate, "rtt_us": rtt}
             for holder, (rate, rtt) in self.links.items()
@@ -372,8 +390,8 @@ class InstanceService:
                 "epoch": self.epoch,
                 "state": self.state,
                 "running": self.running(),
-                "queued": 0,
-                "batch_size": 1,
+                "queued": queued,
+                "batch_size": batch,
                 "kv_utilization": self.kv_utilization(),
                 "prefill_tokens_per_s": self.prefill_rate,
                 "decode_tokens_per_s": self.decode_rate,
@@ -572,6 +590,11 @@ class InstanceService:
         for key in finished[: max(0, len(self.sessions) - self.config.max_sessions)]:
             del self.sessions[key]
 
+    def _check_accepting(self) -> None:
+        """A draining or sleeping instance takes no new session, resumed or not (KVSP 6.3)."""
+        if self.state is not InstanceState.ACTIVE:
+            raise NotAccepting(f"instance is {self.state}; it accepts no new sessions")
+
     async def generate(
         self,
         principal: Principal,
@@ -592,18 +615,16 @@ class InstanceService:
         if session_id is not None and not principal.has_any_role((Role.CONTROLLER,)):
             # a client's own name for a session, in its tenant's namespace
             session_id = tenant_session(tenant.scope_id, session_id)
-        if self.state is not InstanceState.ACTIVE:
-            raise ServiceUnavailable(f"instance is {self.state}; it accepts no new sessions")
+        self._check_accepting()
         if not tokens:
             raise InvalidInput("a prompt needs at least one token")
         cap = min(max_tokens or self.config.max_tokens, self.config.max_tokens)
         self.bounds.check(tokens, cap)
         b = self.block_tokens
-        cut = (len(tokens) - 1) // b
+        cut, tail, last_block = split_prompt(tokens, b)
         all_keys = [k.hex() for k in tenant.chain(self.compat_id, b).extend(tokens)]
         prompt_blocks = tuple(all_keys[:cut])
         chain = tenant.chain_after(self.compat_id, b, prompt_blocks)
-        tail = tuple(tokens[cut * b :])
         chain.extend(list(tail))
         session = Session(
             session_id or str(uuid.uuid4()),
@@ -613,6 +634,7 @@ class InstanceService:
             cap,
             prompt_blocks,
             tail,
+            last_block,
             chain,
             hints=None if kv_hints is None else (principal, kv_hints),
         )
@@ -622,8 +644,8 @@ class InstanceService:
     async def _begin(self, session: Session, tokens: Sequence[int]) -> None:
         """Load the longest prefix held anywhere, then compute the rest in the background."""
         b = self.block_tokens
-        try:
-            blocks = await self._load(session, session.prompt_blocks)
+        try:  # the last prompt token is computed: the first output token needs its logits
+            blocks = await self._load(session, session.prompt_blocks[: (len(tokens) - 1) // b])
         except BaseException:
             await self._release(session)
             raise
@@ -644,10 +666,11 @@ class InstanceService:
         tenant = self.config.tenants.by_scope(checkpoint.scope_id)
         if tenant is None:
             raise NotFound(f"no tenant has scope {checkpoint.scope_id}")
+        self._check_accepting()
         b = self.block_tokens
+        start, known = checkpoint.resume_input(b)
         chain = tenant.chain_after(self.compat_id, b, checkpoint.prompt_blocks)
-        known = list(checkpoint.prompt_tail) + list(checkpoint.generated)
-        chain.extend(known)
+        chain.extend(list(checkpoint.prompt_tail + checkpoint.generated))
         session = Session(
             checkpoint.session,
             tenant,
@@ -656,30 +679,30 @@ class InstanceService:
             min(max_tokens or self.config.max_tokens, self.config.max_tokens),
             checkpoint.prompt_blocks,
             checkpoint.prompt_tail,
+            checkpoint.last_block,
             chain,
             generated=list(checkpoint.generated),
             released=checkpoint.output_offset,
             acknowledged=checkpoint.output_offset,
         )
-        await self._begin_resume(session, known)
+        await self._begin_resume(session, start, known)
         return session
 
-    async def _begin_resume(self, session: Session, known: Sequence[int]) -> None:
-        """Load the checkpoint's blocks (and later ones held anywhere), recompute the rest
-        (``known``: the prompt tail and the tokens generated so far) and continue."""
+    async def _begin_resume(self, session: Session, start: int, known: Sequence[int]) -> None:
+        """Load the checkpoint's first ``start`` prompt blocks (and later ones held
+        anywhere), recompute the rest (``known``: the tokens after those blocks) and continue."""
         b = self.block_tokens
-        prompt_blocks = session.prompt_blocks
         # every block key whose tokens are all known, except the block holding the last token
-        keys = list(prompt_blocks) + [k.hex() for k in session.chain.keys]
-        covered_max = (len(prompt_blocks) * b + len(known) - 1) // b
+        keys = list(session.prompt_blocks) + [k.hex() for k in session.chain.keys]
+        covered_max = (start * b + len(known) - 1) // b
         try:
             blocks = await self._load(session, keys[:covered_max])
-            if len(blocks) < len(prompt_blocks):
+            if len(blocks) < start:
                 raise NotFound("the checkpoint's prompt blocks are not held anywhere reachable")
         except BaseException:
             await self._release(session)
             raise
-        ids = [_UNKNOWN] * (len(prompt_blocks) * b) + list(known)
+        ids = [_UNKNOWN] * (start * b) + list(known)
         state = self.engine.state_from_blocks(blocks, ids[: len(blocks) * b])
         self._admit(session)
         rest = ids[len(state) :]
@@ -722,6 +745,7 @@ class InstanceService:
                 logits = await self.engine_thread.run(
                     tenant, functools.partial(timed, engine.forward, state, chunk)
                 )
+                session.begun = True
                 if session.cancelled is not None:
                     break
             if len(rest) > 1:
@@ -733,6 +757,7 @@ class InstanceService:
                 blocks, token, logits = await self.engine_thread.run(
                     tenant, functools.partial(decode_step, logits, step)
                 )
+                session.begun = True
                 for index, body in blocks:
                     self._on_block(session, index, body)
                 self._on_token(session, token)

@@ -225,6 +225,14 @@ class VllmInstanceService(InstanceService):
         self.driver = _Driver(self.vllm)
         return None
 
+    def engine_load(self) -> tuple[int, int]:
+        """vLLM's scheduler: requests waiting for room, and the batch it runs."""
+        try:
+            scheduler = self.vllm.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
+            return len(scheduler.waiting), len(scheduler.running)
+        except AttributeError:
+            return super().engine_load()
+
     def kv_utilization(self) -> float:
         """The share of vLLM's KV pages in use."""
         try:
@@ -248,12 +256,12 @@ class VllmInstanceService(InstanceService):
         salt = session.tenant.scope_id
         self._spawn(self._generate(session, list(tokens), params, salt, 0))
 
-    async def _begin_resume(self, session: Session, known: Sequence[int]) -> None:
+    async def _begin_resume(self, session: Session, start: int, known: Sequence[int]) -> None:
         b = self.block_tokens
         prefix = session.prompt_blocks
         try:  # verified copies here first, so vLLM's loads cannot fail over the network
-            blocks = await self._load(session, prefix)
-            if len(blocks) < len(prefix):
+            blocks = await self._load(session, prefix[:start])
+            if len(blocks) < start:
                 raise NotFound("the checkpoint's prompt blocks are not held anywhere reachable")
         except BaseException:
             await self._release(session)
@@ -265,12 +273,12 @@ class VllmInstanceService(InstanceService):
         if remaining <= 0:
             self._spawn(self._finish(session))
             return
-        prompt = [_PLACEHOLDER] * (len(prefix) * b) + list(known)
+        prompt = [_PLACEHOLDER] * (start * b) + list(known)
         params = _sampling(
             session, remaining, {"tenant": session.tenant.name, "prefix_keys": list(prefix)}
         )
         salt = f"{session.tenant.scope_id}:{prefix[-1] if prefix else 'root'}"
-        self._spawn(self._generate(session, prompt, params, salt, len(prefix) * b))
+        self._spawn(self._generate(session, prompt, params, salt, start * b))
 
     async def _generate(
         self,
