@@ -48,6 +48,8 @@ class Quota:
     leased_octets: int | None = None
     #: valid leases of the scope at a holder
     leases: int | None = None
+    #: the longest TTL one lease of the scope may ask for at a holder, in milliseconds
+    lease_ttl_ms: int | None = None
     #: octets of the scope's blocks pinned by hints at an instance
     pinned_octets: int | None = None
     #: Replica Records of the scope at the Index Service

@@ -175,7 +175,8 @@ DIRECTIVE = {
             LeaseRequest,
             {"compat_id": HEX32, "scope_id": HEX16, "block_keys": [HEX32], "ttl_ms": 2000},
         ),
-        (LeaseGrant, {"lease": "l-1", "ttl_ms": 1000, "clipped": True}),
+        (LeaseRequest, {"block_keys": [HEX32], "ttl_ms": 2000}),  # KVSP 6.6 as written
+        (LeaseGrant, {"lease": "l-1", "ttl_ms": 1000}),
         (LeaseRenewal, {"ttl_ms": 1000}),
         (StateChange, {"state": "sleeping"}),
         (StateAnswer, {"state": "draining"}),

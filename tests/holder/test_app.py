@@ -349,11 +349,13 @@ async def test_leases_grant_renew_release_quota_and_missing_keys(env: Env) -> No
     request = LeaseRequest(
         compat_id=COMPAT, scope_id=SCOPE, block_keys=(block_id(1)[2],), ttl_ms=60_000
     )
+    with pytest.raises(LeaseQuotaExceeded, match="TTL quota"):  # above the holder's 30 s
+        await c1.lease(env.holder, request)
+    request = request.model_copy(update={"ttl_ms": 30_000})
     grant = await c1.lease(env.holder, request)
     assert grant.ttl_ms == 30_000
-    assert grant.clipped
     renewed = await c1.renew(env.holder, grant.lease, 1_000)
-    assert (renewed.ttl_ms, renewed.clipped) == (1_000, False)
+    assert renewed.ttl_ms == 1_000
     with pytest.raises(NotFound):
         await env.client("c2").release(env.holder, grant.lease)
     missing = request.model_copy(update={"block_keys": (block_id(2)[2], block_id(9)[2])})
@@ -512,3 +514,69 @@ def container_record(env: Env, n: int) -> dict[str, Any]:
         "residency": [{"tier": "host", "layers": [0, c.header.layer_count - 1]}],
         "ttl_ms": 60_000,
     }  # fmt: skip
+
+
+async def test_a_lease_body_as_the_text_writes_it_names_only_keys_and_a_ttl(env: Env) -> None:
+    await put_raw(env, 1)
+    await put_raw(env, 2)
+    headers = {"authorization": "Bearer c1", "content-type": "application/json"}
+    key = block_id(1)[2]
+    response = await env.http.post(
+        "leases", json={"block_keys": [key], "ttl_ms": 1_000}, headers=headers
+    )
+    assert response.status_code == 201
+    assert response.json()["ttl_ms"] == 1_000
+    assert env.service.leases.leased(block_id(1))
+    # a key held in a scope the caller may not use answers as a key not held at all
+    other = {"authorization": "Bearer other", "content-type": "application/json"}
+    hidden = await env.http.post(
+        "leases", json={"block_keys": [key], "ttl_ms": 1_000}, headers=other
+    )
+    absent = await env.http.post(
+        "leases", json={"block_keys": [block_id(9)[2]], "ttl_ms": 1_000}, headers=other
+    )
+    assert (hidden.status_code, absent.status_code) == (404, 404)
+    assert hidden.json()["detail"].replace(key, "K") == absent.json()["detail"].replace(
+        block_id(9)[2], "K"
+    )
+    # the extension members narrow the search: a key under another compat id is not held
+    wrong = {"block_keys": [key], "ttl_ms": 1_000, "compat_id": "d0" * 32}
+    assert (await env.http.post("leases", json=wrong, headers=headers)).status_code == 404
+    too_long = await env.http.post(
+        "leases", json={"block_keys": [block_id(2)[2]], "ttl_ms": 30_001}, headers=headers
+    )
+    assert too_long.status_code == 429
+    assert too_long.json()["type"].endswith("#kvsp-lease-quota")
+    assert not env.service.leases.leased(block_id(2))
+
+
+async def test_a_faulty_block_is_withdrawn_from_the_index_before_its_octets_go(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await put_raw(env, 1)
+    await env.settle()
+    assert await env.lookup(1) == 1
+    lease = LeaseRequest(block_keys=(block_id(1)[2],), ttl_ms=10_000)
+    await env.client("c1").lease(env.holder, lease)
+    store = env.service.store
+
+    def gone_bad(*_: Any) -> memoryview:
+        raise DigestError("the tier's octets no longer match their digest")
+
+    monkeypatch.setattr(store._data["host"], "read", gone_bad)  # type: ignore[attr-defined]
+    before = store.used()["host"]
+    delivered = []
+    batch = env.service.index.batch  # type: ignore[union-attr]
+
+    async def watched(put: Any, delete: Any) -> Any:
+        delivered.append((store.used()["host"], [r.block_key for r in delete]))
+        return await batch(put, delete)
+
+    monkeypatch.setattr(env.service.index, "batch", watched)
+    response = await env.http.get(path(1), headers={"authorization": "Bearer c1"})
+    assert response.status_code == 404  # even though leased: a fault (KVSP 6.6)
+    await env.settle()
+    # the withdrawal reached the IS while the octets were still there; then they went
+    assert delivered == [(before, [block_id(1)[2]])]
+    assert await env.lookup(1) == 0
+    assert store.used()["host"] == 0

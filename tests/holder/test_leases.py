@@ -1,4 +1,4 @@
-"""Leases: grant, renew, release, expiry, per-scope quotas and TTL clipping."""
+"""Leases: grant, renew, release, expiry, and per-scope quotas on octets, leases and TTL."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from kvsp.core.clock import ManualClock
 from kvsp.core.problems import ConfigurationError, LeaseQuotaExceeded, NotFound
 from kvsp.holder.leases import LeaseLimits, LeaseTable
+from kvsp.quotas import Quota, Quotas
 from tests.holder.factories import block_id
 
 
@@ -23,7 +24,6 @@ def test_grant_renew_release_expire() -> None:
     leases, clock = table()
     grant = leases.grant("a", [(block_id(1), 100), (block_id(2), 100)], 5_000)
     assert grant.ttl_ms == 5_000
-    assert not grant.clipped
     assert len(grant.lease) >= 16
     assert leases.leased(block_id(1))
     assert leases.octets_by_scope() == {block_id(1)[1]: 200}
@@ -41,12 +41,30 @@ def test_grant_renew_release_expire() -> None:
     assert not leases.leased(block_id(1))
 
 
-def test_ttl_above_the_maximum_is_clipped() -> None:
-    leases, _ = table(max_ttl=10_000)
-    grant = leases.grant("a", [(block_id(1), 1)], 60_000)
-    assert (grant.ttl_ms, grant.clipped) == (10_000, True)
-    renewal = leases.renew("a", grant.lease, 99_999)
-    assert (renewal.ttl_ms, renewal.clipped) == (10_000, True)
+def test_a_ttl_above_the_quota_is_refused_with_kvsp_lease_quota() -> None:
+    # KVSP 6.6: the holder enforces a per-client quota on lease TTL and returns
+    # kvsp-lease-quota when a request exceeds it; nothing is granted or renewed
+    leases, clock = table(max_ttl=10_000)
+    with pytest.raises(LeaseQuotaExceeded, match="TTL quota of 10000 ms") as refused:
+        leases.grant("a", [(block_id(1), 1)], 10_001)
+    assert refused.value.slug == "kvsp-lease-quota"
+    assert not leases.leased(block_id(1))
+    grant = leases.grant("a", [(block_id(1), 1)], 10_000)
+    with pytest.raises(LeaseQuotaExceeded):
+        leases.renew("a", grant.lease, 99_999)
+    clock.advance(9_999)
+    assert leases.leased(block_id(1))  # the refused renewal changed nothing
+    clock.advance(1)
+    assert not leases.leased(block_id(1))
+
+
+def test_a_scope_can_have_its_own_ttl_quota() -> None:
+    scope = block_id(1)[1]
+    quotas = Quotas(scopes={scope: Quota(lease_ttl_ms=500)})
+    leases = LeaseTable(ManualClock(), LeaseLimits(1_000, 10_000, 8), quotas)
+    with pytest.raises(LeaseQuotaExceeded, match="500 ms"):
+        leases.grant("a", [(block_id(1), 1)], 501)
+    assert leases.grant("a", [(block_id(2, "f" * 32), 1)], 5_000).ttl_ms == 5_000
 
 
 def test_octet_quota_is_per_scope_and_grants_nothing_beyond() -> None:

@@ -220,11 +220,27 @@ def test_fault_on_read_withdraws_even_a_leased_block() -> None:
     leases.grant("c", [(block_id(1), 1)], 5_000)
     store.take_effects()
     store._data["disk"].bad.add(block_id(1))  # type: ignore[attr-defined]
+    used = store.used()["disk"]
     with pytest.raises(NotFound):
         store.get(block_id(1))
     assert block_id(1) not in store
-    assert [type(e) for e in store.take_effects()] == [Withdraw]
+    with pytest.raises(NotFound):  # gone from every query at once
+        store.by_key(block_id(1)[2])
+    (withdraw,) = store.take_effects()
+    assert isinstance(withdraw, Withdraw)
+    assert withdraw.then_forget
+    assert withdraw.ref.block_key == block_id(1)[2]
     assert store.stats.digest_failures == 1
+    # KVSP 6.6: withdrawn first; its octets go only once the withdrawal was delivered
+    assert store.used()["disk"] == used
+    with pytest.raises(AlreadyStored):  # no new copy under the key until then
+        put(store, 1)
+    store.forget_withdrawn([block_id(1)])
+    assert store.used()["disk"] == 0
+    assert not store._data["disk"]._held  # type: ignore[attr-defined]
+    store._data["disk"].bad.clear()  # type: ignore[attr-defined]
+    put(store, 1)
+    assert store.by_key(block_id(1)[2]) == block_id(1)
 
 
 def test_records_are_refreshed_before_they_expire() -> None:

@@ -575,16 +575,18 @@ class LookupResponse(Record):
 
 
 class LeaseRequest(Record):
-    compat_id: Hex32
-    scope_id: Hex16
+    """KVSP 6.6's body: block keys and a TTL. A holder finds the blocks by key (a Block Key
+    names one scope); the extension members narrow the search where the client knows them."""
+
     block_keys: Annotated[tuple[Hex32, ...], Field(min_length=1, max_length=MAX_KEYS_PER_REQUEST)]
     ttl_ms: PositiveU32
+    compat_id: Hex32 | None = None
+    scope_id: Hex16 | None = None
 
 
 class LeaseGrant(Record):
     lease: Annotated[StrictStr, Field(min_length=1, max_length=128)]
     ttl_ms: PositiveU32
-    clipped: StrictBool = False
 
 
 class LeaseRenewal(Record):

@@ -4,10 +4,10 @@ Each scope (tenant) has a quota of leased octets (the sizes of the blocks of all
 leases, a block counted once per lease, whichever of its principals holds them) and of valid
 leases, its own from the quotas file (``kvsp.quotas``) or the holder's defaults, so one tenant
 can never lease a holder full for another; a principal acting for several scopes (an admin)
-has each scope's quota, not one more. A longer TTL than the maximum is clipped and the grant
-says so; more octets or leases than the quota is ``LeaseQuotaExceeded`` naming the quota, and
-grants nothing. Leases expire on their own: expiry pops a heap of
-deadlines, so it costs O(expired). A lease is visible only to the client that holds it; another
+has each scope's quota, not one more. A TTL above the scope's TTL quota (``lease_ttl_ms``, else
+the holder's maximum), more octets or more leases than the quota is ``LeaseQuotaExceeded``
+naming the quota (KVSP 6.6), and grants or renews nothing. Leases expire on their own:
+expiry pops a heap of deadlines, so it costs O(expired). A lease is visible only to the client that holds it; another
 client's lease id answers 404 like an unknown one.
 """
 
@@ -61,16 +61,19 @@ class LeaseTable:
         self._octets: Counter[str] = Counter()
         self._count: Counter[str] = Counter()
 
-    def _clip(self, ttl_ms: int) -> tuple[int, bool]:
-        if ttl_ms > self.limits.max_ttl_ms:
-            return self.limits.max_ttl_ms, True
-        return ttl_ms, False
+    def _check_ttl(self, scope: str, ttl_ms: int) -> None:
+        most = self.quotas.limit(scope, "lease_ttl_ms", self.limits.max_ttl_ms)
+        if ttl_ms > most:
+            raise LeaseQuotaExceeded(
+                f"a lease TTL of {ttl_ms} ms exceeds scope {scope}'s lease TTL quota of {most} ms"
+            )
 
     def grant(self, client: str, blocks: Sequence[tuple[BlockId, int]], ttl_ms: int) -> LeaseGrant:
         """A new lease on ``blocks`` (each with its size in octets, all of one scope), all held
         by the caller's check; beyond the scope's quota nothing is granted."""
         self.expire()
         scope = blocks[0][0][1] if blocks else ""
+        self._check_ttl(scope, ttl_ms)
         octets = sum(size for _, size in blocks)
         quota = self.quotas.limit(scope, "leased_octets", self.limits.quota_octets)
         if self._octets[scope] + octets > quota:
@@ -81,17 +84,16 @@ class LeaseTable:
         most = self.quotas.limit(scope, "leases", self.limits.max_leases)
         if self._count[scope] >= most:
             raise LeaseQuotaExceeded(f"scope {scope} is at its quota of {most} valid leases")
-        granted, clipped = self._clip(ttl_ms)
         lease_id = secrets.token_urlsafe(18)
         lease = _Lease(
-            client, scope, tuple(b for b, _ in blocks), octets, self.clock.now_ms() + granted
+            client, scope, tuple(b for b, _ in blocks), octets, self.clock.now_ms() + ttl_ms
         )
         self._leases[lease_id] = lease
         heapq.heappush(self._deadlines, (lease.expires_at, lease_id))
         self._pins.update(lease.blocks)
         self._octets[scope] += octets
         self._count[scope] += 1
-        return LeaseGrant(lease=lease_id, ttl_ms=granted, clipped=clipped)
+        return LeaseGrant(lease=lease_id, ttl_ms=ttl_ms)
 
     def _own(self, client: str, lease_id: str) -> _Lease:
         self.expire()
@@ -102,10 +104,10 @@ class LeaseTable:
 
     def renew(self, client: str, lease_id: str, ttl_ms: int) -> LeaseGrant:
         lease = self._own(client, lease_id)
-        granted, clipped = self._clip(ttl_ms)
-        lease.expires_at = self.clock.now_ms() + granted
+        self._check_ttl(lease.scope, ttl_ms)
+        lease.expires_at = self.clock.now_ms() + ttl_ms
         heapq.heappush(self._deadlines, (lease.expires_at, lease_id))
-        return LeaseGrant(lease=lease_id, ttl_ms=granted, clipped=clipped)
+        return LeaseGrant(lease=lease_id, ttl_ms=ttl_ms)
 
     def release(self, client: str, lease_id: str) -> None:
         self._end(lease_id, self._own(client, lease_id))

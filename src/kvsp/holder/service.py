@@ -112,6 +112,10 @@ class HolderConfig:
         return specs, data
 
 
+def _then_forget(effect: Effect) -> bool:
+    return isinstance(effect, Withdraw) and effect.then_forget
+
+
 def _effect_octets(effect: Effect) -> int:
     """About how many octets an effect takes in a batch body."""
     if isinstance(effect, Publish):
@@ -286,7 +290,9 @@ class HolderService:
             else:
                 ref = effect.ref
                 block = (ref.compat_id, ref.scope_id, ref.block_key)
-            self._pending.pop(block, None)
+            previous = self._pending.pop(block, None)
+            if previous is not None and _then_forget(previous) and isinstance(effect, Withdraw):
+                effect = previous  # a faulty block's octets still wait for this withdrawal
             self._pending[block] = effect
         if effects:
             self._wake.set()
@@ -327,9 +333,17 @@ class HolderService:
                 granted = min(o.ttl_ms for o in outcomes)
                 if granted // 2 < self.store.refresh_after_ms:
                     await self.call(lambda: self.store.granted(granted))
+        await self._sent(blocks, effects)
+
+    async def _sent(self, blocks: list[BlockId], effects: list[Effect]) -> None:
+        """These updates are delivered (or refused for good): no longer pending, and the
+        octets of faulty blocks whose withdrawal went first are freed (KVSP 6.6)."""
         for block, effect in zip(blocks, effects, strict=True):
             if self._pending.get(block) is effect:
                 del self._pending[block]
+        faulty = [b for b, e in zip(blocks, effects, strict=True) if _then_forget(e)]
+        if faulty:
+            await self.call(lambda: self.store.forget_withdrawn(faulty))
 
     async def _publisher(self) -> None:
         delay = 0.1
@@ -337,7 +351,7 @@ class HolderService:
             await self._wake.wait()
             self._wake.clear()
             if self.index is None:
-                self._pending.clear()
+                await self._sent(list(self._pending), list(self._pending.values()))
                 continue
             try:
                 await self._flush()
@@ -459,16 +473,39 @@ class HolderService:
     # -- leases --------------------------------------------------------------------------------
 
     async def grant_lease(self, principal: Principal, request: LeaseRequest) -> LeaseGrant:
-        authorize(principal, BLOCK_ROLES, scope=request.scope_id)
+        """A lease on blocks named by key (KVSP 6.6), all of one scope the caller may use;
+        a key not held, or held in a scope the caller may not use, is ``NotFound`` with one
+        text (a block's existence is its tenant's business) and nothing is granted."""
+        authorize(principal, BLOCK_ROLES)
+        if request.scope_id is not None:
+            authorize(principal, BLOCK_ROLES, scope=request.scope_id)
 
         def grant() -> LeaseGrant:
             sizes = []
             for key in dict.fromkeys(request.block_keys):
-                block = (request.compat_id, request.scope_id, key)
-                sizes.append((block, self.store.meta(block).size))  # NotFound: nothing granted
+                block = self._leasable(principal, request, key)
+                sizes.append((block, self.store.meta(block).size))
+            if len({block[1] for block, _ in sizes}) > 1:
+                raise InvalidInput("one lease covers blocks of one scope")
             return self.leases.grant(principal.name, sizes, request.ttl_ms)
 
         return await self.call(grant)
+
+    def _leasable(self, principal: Principal, request: LeaseRequest, key: str) -> BlockId:
+        """The block held under ``key`` that ``request`` may lease (on the store's thread)."""
+        if request.compat_id is not None and request.scope_id is not None:
+            return (request.compat_id, request.scope_id, key)
+        missing = NotFound(f"block {key} is not held here")
+        try:
+            block = self.store.by_key(key)
+        except NotFound:
+            raise missing from None
+        wanted = (request.compat_id, request.scope_id)
+        if any(w is not None and w != got for w, got in zip(wanted, block, strict=False)):
+            raise missing
+        if not principal.may_access_scope(block[1]):
+            raise missing
+        return block
 
     async def renew_lease(self, principal: Principal, lease: str, ttl_ms: int) -> LeaseGrant:
         return await self.call(lambda: self.leases.renew(principal.name, lease, ttl_ms))

@@ -29,7 +29,10 @@ Contract (tested exactly):
 - Every stored or moved block yields a ``Publish`` effect with its current Replica Record; every
   dropped block yields a ``Withdraw`` first. ``refresh_due`` republishes records past half their
   TTL. A block whose octets fail verification on read is withdrawn and dropped even if leased
-  (the fault case of KVSP 6.6). Effects are drained with ``take_effects``.
+  (the fault case of KVSP 6.6), in that order: it is gone from every query at once, but its
+  octets stay charged until ``forget_withdrawn`` says the withdrawal reached the Index Service
+  (its ``Withdraw`` has ``then_forget``). Blocks are found by key alone with ``by_key`` (a Block
+  Key names one scope and Compatibility ID). Effects are drained with ``take_effects``.
 """
 
 from __future__ import annotations
@@ -139,6 +142,8 @@ class Publish:
 @dataclass(frozen=True, slots=True)
 class Withdraw:
     ref: ReplicaRef
+    #: a faulty block, kept charged until this withdrawal is delivered (``forget_withdrawn``)
+    then_forget: bool = False
 
 
 Effect = Publish | Withdraw
@@ -214,6 +219,9 @@ class BlockStore:
         #: records are published again this long after they were (half the TTL granted)
         self.refresh_after_ms = record_ttl_ms // 2
         self._blocks: dict[BlockId, _Block] = {}
+        self._by_key: dict[str, BlockId] = {}
+        #: blocks that failed verification, withdrawn and waiting to be forgotten
+        self._faulted: dict[BlockId, _Block] = {}
         self._used: dict[Tier, int] = dict.fromkeys(names, 0)
         #: per tier, octets per scope; and octets per scope over every tier
         self._scope_used: dict[Tier, Counter[str]] = {n: Counter() for n in names}
@@ -253,6 +261,13 @@ class BlockStore:
             raise NotFound(f"{block_ref(block)} is not held here")
         return found.meta
 
+    def by_key(self, key: str) -> BlockId:
+        """The block held under Block Key ``key``, whatever its scope; ``NotFound`` if none."""
+        found = self._by_key.get(key)
+        if found is None:
+            raise NotFound(f"block {key} is not held here")
+        return found
+
     def held(self) -> list[BlockId]:
         """Every block held, oldest stored first."""
         return list(self._blocks)
@@ -284,7 +299,7 @@ class BlockStore:
         """Store a whole block (``data``: the octets of all its layers). A block already held
         is ``AlreadyStored`` and keeps its copy; a block no tier can take is
         ``CapacityExhausted``. Neither changes anything."""
-        if block in self._blocks:
+        if block in self._blocks or block in self._faulted:
             raise AlreadyStored(f"{block_ref(block)} is already held here")
         if len(data) != meta.range_octets(0, meta.layer_count - 1):
             raise ValueError("data must hold every layer of the block")
@@ -293,7 +308,7 @@ class BlockStore:
         self._expire_priorities()
         self._make_scope_room(block[1], sum(self._octets(t, meta, sp) for t, sp in plan), set())
         entry = _Block(meta, {}, next(self._ticks))
-        self._blocks[block] = entry
+        self._add(block, entry)
         try:
             for tier, span in plan:
                 self._make_room(tier, self._octets(tier, meta, span), {block}, block[1])
@@ -317,7 +332,7 @@ class BlockStore:
             self._data[tier].delete(block)
             return False
         entry = _Block(meta, {tier: span}, next(self._ticks))
-        self._blocks[block] = entry
+        self._add(block, entry)
         self._charge(tier, block, octets)
         self._push(tier, block, entry)
         self._published(block, entry)
@@ -407,7 +422,7 @@ class BlockStore:
                 parts.append(self._data[tier].read(block, meta, span, (a, b)))
             except DigestError as exc:
                 self.stats.digest_failures += 1
-                self.drop(block)
+                self._fault(block, entry)
                 raise NotFound(f"{block_ref(block)} failed verification and was dropped") from exc
         self.stats.hits += 1
         self._touch(block, entry)
@@ -547,8 +562,8 @@ class BlockStore:
             return
         kept = sum(
             self._octets(t, e.meta, span)
-            for b, e in self._blocks.items()
-            if b[1] == scope and (b in protect or self._leases.leased(b))
+            for b, e in itertools.chain(self._blocks.items(), self._faulted.items())
+            if b[1] == scope and (b in protect or b in self._faulted or self._leases.leased(b))
             for t, span in e.spans.items()
         )
         if kept + octets > limit:
@@ -700,23 +715,46 @@ class BlockStore:
         entry = self._blocks.get(block)
         if entry is None:
             return False
-        compat, scope, key = block
-        self._effects.append(
-            Withdraw(
-                ReplicaRef.model_construct(
-                    compat_id=compat, scope_id=scope, block_key=key, holder=self.holder_url
-                )
-            )
-        )
+        self._effects.append(Withdraw(self._ref(block)))
         self._forget(block, entry)
         return True
 
+    def _ref(self, block: BlockId) -> ReplicaRef:
+        compat, scope, key = block
+        return ReplicaRef.model_construct(
+            compat_id=compat, scope_id=scope, block_key=key, holder=self.holder_url
+        )
+
+    def _fault(self, block: BlockId, entry: _Block) -> None:
+        """KVSP 6.6: a holder that must evict leased data due to a fault first withdraws it.
+        The block leaves every query now; its octets go once the withdrawal is delivered."""
+        del self._blocks[block]
+        del self._by_key[block[2]]
+        self._faulted[block] = entry
+        self._effects.append(Withdraw(self._ref(block), then_forget=True))
+
+    def forget_withdrawn(self, blocks: Iterable[BlockId]) -> None:
+        """The withdrawals of these faulty blocks reached the Index Service (or there is
+        none): their octets go."""
+        for block in blocks:
+            entry = self._faulted.pop(block, None)
+            if entry is not None:
+                self._free(block, entry)
+
+    def _add(self, block: BlockId, entry: _Block) -> None:
+        self._blocks[block] = entry
+        self._by_key[block[2]] = block
+
     def _forget(self, block: BlockId, entry: _Block) -> None:
+        self._free(block, entry)
+        del self._blocks[block]
+        del self._by_key[block[2]]
+
+    def _free(self, block: BlockId, entry: _Block) -> None:
         for tier, span in entry.spans.items():
             self._data[tier].delete(block)
             self._charge(tier, block, -self._octets(tier, entry.meta, span))
         entry.spans.clear()
-        del self._blocks[block]
 
     # -- records -------------------------------------------------------------------------------
 
