@@ -36,11 +36,15 @@ class Target:
         self.peers = HolderClient("c1")
         self.index = IndexClient(INDEX, "pc", transport=env.index_transport)
         self.fetched: list[str] = []
+        #: whether the source held a lease on the block when its fetch began
+        self.leased: list[bool] = []
         self.hold_from = 99  # fetches from this one on never finish
         self.prefetcher = Prefetcher(self.holder, self.peers, self.index, self.fetch, keep=2)
 
     async def fetch(self, record: ReplicaRecord) -> Container:
         self.fetched.append(record.block_key)
+        block = (record.compat_id, record.scope_id, record.block_key)
+        self.leased.append(self.env.service.leases.leased(block))
         if len(self.fetched) >= self.hold_from:
             await asyncio.Event().wait()
         return await self.peers.get(record)
@@ -90,6 +94,7 @@ async def test_every_block_is_leased_fetched_verified_and_held(target: Target) -
     for n in (1, 2, 3):
         held = await target.holder.call(lambda n=n: target.holder.store.get(block_id(n)))
         assert b"".join(bytes(p) for p in held.parts) == bytes(container(n).parts[1])
+    assert target.leased == [True, True, True]  # each held at the source while it loaded
     assert target.env.service.leases.octets_by_scope() == {}  # every lease released
 
 
@@ -144,3 +149,16 @@ async def test_only_the_latest_statuses_are_kept(target: Target) -> None:
     await target.run((3, [target.env.holder]))
     with pytest.raises(NotFound):
         target.prefetcher.status(first.directive)
+
+
+async def test_a_deadline_that_expires_reports_partial_even_with_nothing_loaded(
+    target: Target,
+) -> None:
+    # KVSP 6.5: "If the deadline expires, the instance stops loading and reports partial";
+    # the request is then served with what was loaded (nothing) and recomputes the rest
+    target.hold_from = 1
+    status = await target.run((1, [target.env.holder]), (2, [target.env.holder]), deadline_ms=200)
+    assert status.state is PrefetchState.PARTIAL
+    assert status.loaded == ()
+    assert target.leased == [True]  # the source could not evict it while it was loading
+    assert target.env.service.leases.octets_by_scope() == {}  # released at the deadline

@@ -1,12 +1,14 @@
 """The instance service in process, on the real model, with a controller stand-in that decides
 how far checkpoints are acknowledged: the release gate (KVSP 6.8), resuming a checkpoint that
-ends on a block boundary (4.4), no new or resumed session while draining (6.3), and the engine's
-real queue in the status record (6.4)."""
+ends on a block boundary (4.4), no new or resumed session while draining (6.3), the engine's
+real queue in the status record (6.4), and a prefetch from a source that never finishes
+sending, which must not hold up the requests being served (6.5)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,10 +18,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvsp.auth import Principal, Role
+from kvsp.auth import Principal, Principals, Role
 from kvsp.controller.tenants import Tenants
+from kvsp.core.clock import SystemClock
 from kvsp.core.problems import NotAccepting, RecordError
-from kvsp.core.records import InstanceState, Sampler, SessionCheckpoint
+from kvsp.core.records import (
+    InstanceState,
+    PrefetchDirective,
+    PrefetchState,
+    ReplicaRecord,
+    Sampler,
+    SessionCheckpoint,
+)
+from kvsp.index.app import create_app as create_index_app
+from kvsp.index.client import IndexClient
+from kvsp.index.service import IndexService
+from kvsp.index.state import IndexLimits
+from kvsp.index.stores import MemoryReplicaStore
 from kvsp.instance.model import ModelFiles
 from kvsp.instance.service import InstanceConfig, InstanceService, Session, TokenEvent
 from tests.servers import free_port, serving
@@ -33,6 +48,35 @@ PROMPT = [6403, 1980, 253, 655, 28, 281, 253, 1165, 6560, 411, 260, 3426, 28, 66
           650]  # fmt: skip
 CONTROLLER = Principal("pc", frozenset({Role.CONTROLLER}), frozenset({"*"}), frozenset({"*"}))
 TOP_P = Sampler(method="top-p", params={"p": 0.9}, seed=7)
+
+
+class SlowSource:
+    """A holder that grants leases at once and sends no block until ``stop`` is set."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.stop = asyncio.Event()
+        self.app = Starlette(
+            routes=[
+                Route("/kvsp/leases", self.lease, methods=["POST"]),
+                Route("/kvsp/leases/{lease}", self.release, methods=["DELETE"]),
+                Route("/kvsp/blocks/{compat}/{scope}/{key}", self.block, methods=["GET"]),
+            ]
+        )
+
+    async def lease(self, request: Request) -> Response:
+        ttl = json.loads(await request.body())["ttl_ms"]
+        self.calls.append("lease")
+        return JSONResponse({"lease": "l1", "ttl_ms": ttl}, status_code=201)
+
+    async def release(self, request: Request) -> Response:
+        self.calls.append("release")
+        return Response(status_code=204)
+
+    async def block(self, request: Request) -> Response:
+        self.calls.append("get")
+        await self.stop.wait()
+        return JSONResponse({"status": 404}, status_code=404)
 
 
 class Controller:
@@ -184,3 +228,59 @@ async def test_the_status_reports_the_sessions_waiting_for_the_engine(
     await until(lambda: all(s.done for s in sessions), "done")
     status = instance.status()
     assert (status.running, status.queued, status.batch_size) == (0, 0, 0)
+
+
+async def test_a_prefetch_that_stalls_does_not_hold_up_the_requests_being_served(
+    model_files: ModelFiles,
+) -> None:
+    source = SlowSource()
+    index = IndexService(MemoryReplicaStore(SystemClock(), IndexLimits()))
+    index_app = create_index_app(index, Principals.development_mode())
+    async with serving(source.app) as holder, serving(index_app) as index_url:
+        compat = model_files.compat_id.hex()
+        tenants = Tenants.parse(
+            f'[tenants.acme]\nscope_key = "{SCOPE_KEY}"\ncompat_ids = ["{compat}"]\n'
+        )
+        scope = tenants.get("acme").scope_id
+        key = "ab" * 32
+        record = ReplicaRecord.parse(
+            {
+                "block_key": key, "compat_id": compat, "scope_id": scope, "holder": holder,
+                "codec": 1, "size": 1000, "digest": "sha-256:" + "00" * 32,
+                "residency": [{"tier": "host", "layers": [0, 29]}], "ttl_ms": 60_000,
+            }
+        )  # fmt: skip
+        async with IndexClient(index_url) as publisher:
+            await publisher.publish(record)
+        config = InstanceConfig(
+            url=f"http://127.0.0.1:{free_port()}/kvsp/",
+            tenants=tenants,
+            index_url=index_url,
+            threads=2,
+        )
+        instance = InstanceService(config, model_files)
+        await instance.start()
+        try:
+            directive = PrefetchDirective.model_validate(
+                {
+                    "directive": str(uuid.uuid4()),
+                    "scope_id": scope,
+                    "compat_id": compat,
+                    "blocks": [{"block_key": key, "sources": [holder]}],
+                    "deadline_ms": 20_000,
+                    "lease_ms": 20_000,
+                }
+            )
+            await instance.prefetch(CONTROLLER, directive)
+            await until(lambda: "get" in source.calls, "the prefetch is loading")
+            greedy = Sampler(method="greedy", deterministic=True)
+            session = await instance.generate(CONTROLLER, "acme", PROMPT, greedy, 8)
+            async with asyncio.timeout(15):  # far inside the directive's deadline
+                tokens = await released(instance, session)
+            assert len(tokens) == 8
+            # the directive is still loading, under a lease at its source (KVSP 6.5)
+            assert instance.prefetch_status(directive.directive).state is PrefetchState.PENDING
+            assert source.calls == ["lease", "get"]
+        finally:
+            source.stop.set()
+            await instance.close()

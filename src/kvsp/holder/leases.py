@@ -7,8 +7,8 @@ can never lease a holder full for another; a principal acting for several scopes
 has each scope's quota, not one more. A TTL above the scope's TTL quota (``lease_ttl_ms``, else
 the holder's maximum), more octets or more leases than the quota is ``LeaseQuotaExceeded``
 naming the quota (KVSP 6.6), and grants or renews nothing. Leases expire on their own:
-expiry pops a heap of deadlines, so it costs O(expired). A lease is visible only to the client that holds it; another
-client's lease id answers 404 like an unknown one.
+expiry pops a heap of deadlines, so it costs O(expired). A lease is visible only to the client
+that holds it; another client's lease id answers 404 like an unknown one.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ records come from one IS lookup, a listed source that has it is leased for ``lea
 cannot evict the block mid-transfer), the block is fetched with every digest verified, the lease
 released, and the block placed in the pool (published by the holder). Block keys are chained, so
 the first block that cannot be loaded ends the directive: nothing after it is usable. At the
-deadline the work stops; the status says ``complete``, ``partial`` (some blocks, from the first
-on, are loaded) or ``failed``, with the keys loaded so far, and is readable while it runs.
+deadline the work stops; the status says ``complete``, ``partial`` (the deadline expired, or
+the blocks from the first up to one that could not be loaded are loaded) or ``failed`` (nothing
+could be loaded before the deadline), with the keys loaded so far, readable while it runs.
 
 A directive only uses the event loop and the store's thread, never the engine's, so requests
 being served are not held up. The last ``keep`` statuses are kept; older ones are forgotten.
@@ -87,19 +88,20 @@ class Prefetcher:
 
     async def run(self, directive: PrefetchDirective) -> None:
         loaded: list[str] = []
+        expired = False
         try:
             async with asyncio.timeout(directive.deadline_ms / 1000):
                 await self._load(directive, loaded)
-            done = len(loaded) == len(directive.blocks)
         except TimeoutError:
-            done = False
+            expired = True
         except KvspError as exc:
             log.warning("prefetch %s: %s", directive.directive, exc.detail)
-            done = False
-        if done:
+        if len(loaded) == len(directive.blocks):
             state = PrefetchState.COMPLETE
+        elif expired or loaded:  # KVSP 6.5: a deadline that expires is "partial"
+            state = PrefetchState.PARTIAL
         else:
-            state = PrefetchState.PARTIAL if loaded else PrefetchState.FAILED
+            state = PrefetchState.FAILED
         self._set(directive.directive, state, loaded)
 
     async def _load(self, directive: PrefetchDirective, loaded: list[str]) -> None:
