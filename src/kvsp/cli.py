@@ -349,6 +349,13 @@ def holder_serve_command(
     index_token_file: Annotated[
         Path | None, typer.Option("--index-token-file", help="bearer token for the IS")
     ] = None,
+    index_routes: Annotated[
+        str,
+        typer.Option(
+            "--index-routes",
+            help="auto (the batch extension, else KVSP 6.1's PUT and DELETE), batch or text",
+        ),
+    ] = "auto",
     auth: Annotated[Path | None, typer.Option("--auth", help="principals file (TOML)")] = None,
     disk_dir: Annotated[Path | None, typer.Option("--disk-dir")] = None,
     disk_bytes: Annotated[str, typer.Option("--disk-bytes")] = "0",
@@ -371,7 +378,7 @@ def holder_serve_command(
     """Run a holder on HOST:PORT under /kvsp/, publishing what it holds to --index."""
     from kvsp.holder.app import create_app
     from kvsp.holder.leases import LeaseLimits
-    from kvsp.holder.service import HolderConfig, HolderService
+    from kvsp.holder.service import HolderConfig, HolderService, parse_index_routes
 
     config = HolderConfig(
         url=url,
@@ -391,6 +398,7 @@ def holder_serve_command(
         block_overhead_octets=parse_octets(block_overhead_bytes),
         index_url=index,
         index_token=_read_token(index_token_file),
+        index_routes=parse_index_routes(index_routes),
     )
     principals = _principals(auth, host)
     _serve(create_app(HolderService(config), principals), host, port, log_level, http_limit)

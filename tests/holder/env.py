@@ -50,8 +50,8 @@ class Env:
         self.index_service = IndexService(
             MemoryReplicaStore(clock, IndexLimits(max_ttl_ms=max_ttl_ms, max_records=1000))
         )
-        index_app = create_index_app(self.index_service, self.principals)
-        self.index_transport = httpx.ASGITransport(app=index_app)
+        self.index_app = create_index_app(self.index_service, self.principals)
+        self.index_transport = httpx.ASGITransport(app=self.index_app)
         self.service = HolderService(
             HolderConfig(
                 url=holder,

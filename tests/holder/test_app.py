@@ -10,11 +10,14 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.responses import JSONResponse
 
+from kvsp.core.clock import ManualClock
 from kvsp.core.container import Container
 from kvsp.core.digests import parse_repr_digest
 from kvsp.core.problems import (
     AlreadyStored,
+    ConfigurationError,
     DigestError,
     Forbidden,
     LayersUnavailable,
@@ -23,7 +26,7 @@ from kvsp.core.problems import (
     ServiceUnavailable,
 )
 from kvsp.core.records import LeaseRequest, ReplicaRecord
-from kvsp.holder.service import HolderConfig, HolderService
+from kvsp.holder.service import HolderConfig, HolderService, parse_index_routes
 from kvsp.index.client import IndexClient
 from kvsp.web.server import InflightOctets
 from tests.holder.env import INDEX, Env, holder_env
@@ -580,3 +583,65 @@ async def test_a_faulty_block_is_withdrawn_from_the_index_before_its_octets_go(
     assert delivered == [(before, [block_id(1)[2]])]
     assert await env.lookup(1) == 0
     assert store.used()["host"] == 0
+
+
+class IndexWithTheTextsRoutes:
+    """The Index Service as KVSP 6.1 alone writes it: no batch route (``POST replicas``
+    answers 404 like any unknown route); records every request it sees."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.seen: list[tuple[str, str]] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            self.seen.append((scope["method"], scope["path"].split("/")[2]))
+            if (scope["method"], scope["path"]) == ("POST", "/kvsp/replicas"):
+                problem = {"type": "about:blank", "title": "Not found", "status": 404}
+                await JSONResponse(problem, 404, media_type="application/problem+json")(
+                    scope, receive, send
+                )
+                return
+        await self.app(scope, receive, send)
+
+
+@pytest.mark.parametrize("routes", ["auto", "text"])
+async def test_a_holder_publishes_and_withdraws_with_the_texts_put_and_delete(
+    env: Env, routes: str
+) -> None:
+    index = IndexWithTheTextsRoutes(env.index_app)
+    transport = httpx.ASGITransport(app=index)
+    holder = HolderService(
+        HolderConfig(
+            url=env.holder,
+            host_bytes=2 * 4 * 128,
+            record_ttl_ms=60_000,
+            block_overhead_octets=0,
+            index_routes=parse_index_routes(routes),
+        ),
+        ManualClock(),
+        IndexClient(INDEX, "holder", transport=transport),
+    )
+    try:
+        for n in (1, 2):
+            await holder.store_block(block_id(n), container(n).tobytes())
+        await holder._flush()
+        assert await env.lookup(1, 2) == 2
+        await holder.store_block(block_id(3), container(3).tobytes())  # 1 is evicted
+        await holder._flush()
+        assert await env.lookup(1) == 0
+        assert await env.lookup(2, 3) == 2
+        assert holder.routes == "text"
+        batches = [s for s in index.seen if s == ("POST", "replicas")]
+        assert len(batches) == (1 if routes == "auto" else 0)  # tried once, then never again
+        sent = [s for s in index.seen if s != ("POST", "replicas")]
+        put, delete = ("PUT", "replicas"), ("DELETE", "replicas")
+        assert sent == [put, put, delete, put]  # 1 is withdrawn as 3 comes in
+    finally:
+        await holder.close()
+
+
+def test_index_routes_are_auto_batch_or_text() -> None:
+    assert [parse_index_routes(r) for r in ("auto", "batch", "text")] == ["auto", "batch", "text"]
+    with pytest.raises(ConfigurationError, match="auto, batch or text"):
+        parse_index_routes("grpc")

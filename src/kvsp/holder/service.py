@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar, cast, get_args
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter
@@ -37,6 +37,7 @@ from kvsp.core.problems import (
     Forbidden,
     InvalidInput,
     KvspError,
+    MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
 )
@@ -61,7 +62,7 @@ from kvsp.index.client import IndexClient
 from kvsp.quotas import Quotas
 from kvsp.tasks import cancel_all
 
-__all__ = ["BLOCK_ROLES", "HolderConfig", "HolderService"]
+__all__ = ["BLOCK_ROLES", "HolderConfig", "HolderService", "IndexRoutes", "parse_index_routes"]
 
 log = logging.getLogger("kvsp.holder")
 T = TypeVar("T")
@@ -98,6 +99,10 @@ class HolderConfig:
     max_inflight_octets: int = 1 << 30
     index_url: str | None = None
     index_token: str | None = None
+    #: how records reach the IS: KVSP 6.1's PUT and DELETE per record ("text"), the batch
+    #: extension ``POST replicas`` ("batch"), or the batch until the IS answers that it has no
+    #: such route, then the text's ("auto")
+    index_routes: IndexRoutes = "auto"
     #: per scope: stored octets, leased octets and leases (``kvsp.quotas``)
     quotas: Quotas = field(default_factory=Quotas)
 
@@ -110,6 +115,21 @@ class HolderConfig:
         elif self.disk_bytes:
             raise ConfigurationError("--disk-bytes needs --disk-dir")
         return specs, data
+
+
+IndexRoutes = Literal["auto", "batch", "text"]
+
+
+def parse_index_routes(text: str) -> IndexRoutes:
+    """``--index-routes``: auto, batch or text; anything else is a ``ConfigurationError``."""
+    for routes in get_args(IndexRoutes):
+        if text == routes:
+            return cast(IndexRoutes, routes)
+    raise ConfigurationError(f"--index-routes is auto, batch or text, not {text!r}")
+
+
+#: records sent at once over the text's routes, one request each
+TEXT_CONCURRENCY = 16
 
 
 def _then_forget(effect: Effect) -> bool:
@@ -166,6 +186,8 @@ class HolderService:
         if index is None and config.index_url is not None:
             index = IndexClient(config.index_url, config.index_token)
         self.index = index
+        #: the routes records go by ("auto" until the IS has answered a batch)
+        self.routes: IndexRoutes = config.index_routes
         self.registry = CollectorRegistry()
         self.rejected = Counter(
             "kvsp_holder_rejected_requests",
@@ -316,10 +338,20 @@ class HolderService:
         """One batch; a batch the IS refuses as a whole (4xx) is halved until the entry it
         refuses is alone, and that entry is dropped. Unreachable: raised, all kept pending."""
         assert self.index is not None
+        if self.routes == "text":
+            await self._send_each(blocks, effects)
+            return
         put = [e.record for e in effects if isinstance(e, Publish)]
         delete = [e.ref for e in effects if not isinstance(e, Publish)]
         try:
             outcomes, _ = await self.index.batch(put, delete)
+        except (NotFound, MethodNotAllowed) as exc:
+            if self.routes == "batch":
+                raise
+            log.warning("the index has no batch route (%s): publishing with PUT and DELETE", exc)
+            self.routes = "text"
+            await self._send_each(blocks, effects)
+            return
         except (InvalidInput, Forbidden, PayloadTooLarge, CapacityExhausted) as exc:
             if len(blocks) > 1:
                 half = len(blocks) // 2
@@ -329,11 +361,46 @@ class HolderService:
             log.warning("index refused the update of %s: %s", block_ref(blocks[0]), exc.detail)
             self.index_refused.labels(exc.slug).inc()
         else:
-            if outcomes:
-                granted = min(o.ttl_ms for o in outcomes)
-                if granted // 2 < self.store.refresh_after_ms:
-                    await self.call(lambda: self.store.granted(granted))
+            await self._granted([o.ttl_ms for o in outcomes])
         await self._sent(blocks, effects)
+
+    async def _send_each(self, blocks: list[BlockId], effects: list[Effect]) -> None:
+        """KVSP 6.1 as written: a PUT per record published, a DELETE per record withdrawn, a
+        few at a time. An entry the IS refuses (4xx) is dropped; a withdrawal of a record the
+        IS does not have is done; unreachable: raised, what was not sent kept pending."""
+        assert self.index is not None
+        index = self.index
+
+        async def one(block: BlockId, effect: Effect) -> int | None:
+            try:
+                if isinstance(effect, Publish):
+                    return (await index.publish(effect.record)).ttl_ms
+                await index.withdraw(effect.ref)
+            except NotFound:
+                pass  # nothing to withdraw
+            except (InvalidInput, Forbidden, PayloadTooLarge, CapacityExhausted) as exc:
+                log.warning("index refused the update of %s: %s", block_ref(block), exc.detail)
+                self.index_refused.labels(exc.slug).inc()
+            return None
+
+        for at in range(0, len(blocks), TEXT_CONCURRENCY):
+            part = slice(at, at + TEXT_CONCURRENCY)
+            answers = await asyncio.gather(
+                *map(one, blocks[part], effects[part]), return_exceptions=True
+            )
+            done = [i for i, a in enumerate(answers) if not isinstance(a, BaseException)]
+            await self._granted([a for a in answers if isinstance(a, int)])
+            await self._sent([blocks[part][i] for i in done], [effects[part][i] for i in done])
+            for answer in answers:
+                if isinstance(answer, BaseException):
+                    raise answer
+
+    async def _granted(self, ttls: list[int]) -> None:
+        """The IS granted records these TTLs: refresh early enough for the shortest."""
+        if ttls:
+            granted = min(ttls)
+            if granted // 2 < self.store.refresh_after_ms:
+                await self.call(lambda: self.store.granted(granted))
 
     async def _sent(self, blocks: list[BlockId], effects: list[Effect]) -> None:
         """These updates are delivered (or refused for good): no longer pending, and the

@@ -13,7 +13,19 @@ from typing import Self
 
 import httpx
 
-from kvsp.core.problems import PROBLEM_TYPE_BASE, KvspError, ServiceUnavailable, problem_types
+from kvsp.core.problems import (
+    PROBLEM_TYPE_BASE,
+    CapacityExhausted,
+    Forbidden,
+    InvalidInput,
+    KvspError,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    ServiceUnavailable,
+    Unauthenticated,
+    problem_types,
+)
 from kvsp.core.registries import JSON_MEDIA_TYPE
 
 __all__ = [
@@ -27,6 +39,15 @@ __all__ = [
 ]
 
 _BY_SLUG = problem_types()
+#: a peer that is not kvsp (another KVSP implementation) may answer with its own problem types,
+#: or none: its status code then says which error it is
+_BY_STATUS: dict[int, type[KvspError]] = {
+    cls.status: cls
+    for cls in (
+        InvalidInput, Unauthenticated, Forbidden, NotFound, MethodNotAllowed, PayloadTooLarge,
+        ServiceUnavailable, CapacityExhausted,
+    )
+}  # fmt: skip
 
 #: httpx errors that mean "the peer is not there right now".
 transport_errors = (httpx.TransportError,)
@@ -108,7 +129,7 @@ def auth_headers(token: str | None) -> dict[str, str]:
 def problem_for(status: int, content: bytes, request: str) -> KvspError:
     """The kvsp exception a non-2xx answer stands for; ``request`` names it ("GET url")."""
     detail = f"{request} answered {status}"
-    cls: type[KvspError] = KvspError
+    cls = _BY_STATUS.get(status, KvspError)
     extensions = {}
     try:
         doc = json.loads(content)
@@ -116,12 +137,10 @@ def problem_for(status: int, content: bytes, request: str) -> KvspError:
         doc = None
     if isinstance(doc, dict):
         slug = str(doc.get("type", "")).removeprefix(PROBLEM_TYPE_BASE)
-        cls = _BY_SLUG.get(slug, KvspError)
+        cls = _BY_SLUG.get(slug, cls)
         detail = str(doc.get("detail", detail))
         known = {"type", "title", "status", "detail", "instance"}
         extensions = {k: v for k, v in doc.items() if k not in known}
-    elif status == 503:
-        cls = ServiceUnavailable
     return cls(detail, **extensions)
 
 
