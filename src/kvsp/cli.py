@@ -298,6 +298,15 @@ def index_serve_command(
     max_ttl_ms: Annotated[int, typer.Option("--max-ttl-ms", min=1)] = 600_000,
     max_records: Annotated[int, typer.Option("--max-records", min=1)] = 5_000_000,
     max_instances: Annotated[int, typer.Option("--max-instances", min=1)] = 65_536,
+    descriptors: Annotated[
+        Path | None,
+        typer.Option(
+            "--descriptors", help="JSON file: the Compatibility Descriptors known from the start"
+        ),
+    ] = None,
+    max_descriptors: Annotated[
+        int, typer.Option("--max-descriptors", min=1, help="descriptors that may be registered")
+    ] = 4096,
     max_scope_records: Annotated[
         int, typer.Option("--max-scope-records", min=1, help="records per scope by default")
     ] = 1_000_000,
@@ -318,14 +327,25 @@ def index_serve_command(
         max_ttl_ms=max_ttl_ms,
         max_records=max_records,
         max_instances=max_instances,
+        max_descriptors=max_descriptors,
         max_scope_records=max_scope_records,
         quotas=Quotas.load(quotas),
     )
     replica_store = open_store(store, limits, SystemClock())
     principals = _principals(auth, host)
-    service = IndexService(replica_store, max_layers=max_layers)
+    known = [] if descriptors is None else _descriptors(descriptors)
+    service = IndexService(replica_store, max_layers=max_layers, descriptors=known)
     app = create_app(service, principals, parse_octets(max_body_bytes))
     _serve(app, host, port, log_level, http_limit)
+
+
+def _descriptors(path: Path) -> list[CompatibilityDescriptor]:
+    """A JSON file of one Compatibility Descriptor or an array of them."""
+    try:
+        doc = json.loads(_read_bytes(path, "descriptors file"))
+    except ValueError as exc:
+        raise InvalidInput(f"descriptors file {path} is not JSON: {exc}") from None
+    return [CompatibilityDescriptor.parse(d) for d in (doc if isinstance(doc, list) else [doc])]
 
 
 def _read_token(path: Path | None) -> str | None:

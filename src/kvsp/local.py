@@ -172,9 +172,11 @@ class LocalCluster:
         holder_token = str(self._write("holder.token", tokens["holder"]))
         logs = self.folder / "logs"
         logs.mkdir(exist_ok=True)
+        # the IS knows the model's descriptor from the start, so lookups get estimates
+        descriptors = str(self._write("descriptors.json", files.descriptor.canonical().decode()))
         index = Process(
-            "index", ["index", "serve", "--auth", auth, "--quotas", quotas, "--log-level",
-                      "warning"], index_port, logs / "index.log",
+            "index", ["index", "serve", "--auth", auth, "--quotas", quotas, "--descriptors",
+                      descriptors, "--log-level", "warning"], index_port, logs / "index.log",
         )  # fmt: skip
         controller = Process(
             "controller",

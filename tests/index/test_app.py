@@ -11,6 +11,7 @@ import pytest
 
 from kvsp.auth import Principals
 from kvsp.core.clock import ManualClock
+from kvsp.core.compat import CompatibilityDescriptor
 from kvsp.core.problems import Forbidden, NotFound, RecordError, Unauthenticated
 from kvsp.core.records import LookupRequest
 from kvsp.index.app import MAX_BATCH_ENTRIES, create_app
@@ -18,6 +19,7 @@ from kvsp.index.client import IndexClient
 from kvsp.index.service import IndexService
 from kvsp.index.state import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore
+from tests.core.test_golden_vectors import DESCRIPTOR
 from tests.index.factories import (
     COMPAT,
     H1,
@@ -283,3 +285,52 @@ async def test_an_unreachable_index_is_unavailable() -> None:
     async with IndexClient(f"http://127.0.0.1:{free_port()}/kvsp/", "pc", timeout_s=2) as client:
         with pytest.raises(ServiceUnavailable, match="unreachable"):
             await client.lookup(lookup_request(0))
+
+
+async def test_a_lookup_as_the_text_writes_it_gets_estimates_from_a_registered_descriptor(
+    http: httpx.AsyncClient, service: IndexService
+) -> None:
+    descriptor = CompatibilityDescriptor.parse({**DESCRIPTOR, "block_tokens": 16})
+    compat = descriptor.compat_id().hex()
+    holder, pc = client_for(http, "h1"), client_for(http, "pc")
+    await holder.publish(replica(0, compat_id=compat))
+    await client_for(http, "i1").put_status(
+        status(I1, links=[{"holder": H1, "mbit_per_s": 8, "rtt_us": 100}])
+    )
+    # KVSP 6.2's body: keys and targets, no block size
+    query = LookupRequest.parse(
+        {"scope_id": SCOPE_A, "compat_id": compat, "block_keys": [key(0)], "targets": [I1]}
+    )
+    assert (await pc.lookup(query)).estimates == ()  # the IS lacks the needed information
+    assert await holder.register(descriptor)
+    assert not await holder.register(descriptor)  # idempotent
+    (estimate,) = (await pc.lookup(query)).estimates
+    assert estimate.recompute_us == pytest.approx(1e6 * 16 / 400)
+    assert estimate.fetch_us == pytest.approx(100 + 4 * 1000)
+    # the ID is recomputed, never taken from the caller (KVSP 4.1)
+    wrong = await http.put(
+        f"descriptors/{'ab' * 32}",
+        content=descriptor.canonical(),
+        headers={"authorization": "Bearer h1", "content-type": "application/json"},
+    )
+    assert wrong.status_code == 400
+    assert wrong.json()["type"].endswith("#kvsp-invalid-descriptor")
+    assert await service.store.descriptor("ab" * 32) is None
+    with pytest.raises(Forbidden):  # only holders and instances say what their IDs mean
+        await pc.register(descriptor)
+
+
+async def test_configured_descriptors_give_estimates_from_the_start(clock: ManualClock) -> None:
+    descriptor = CompatibilityDescriptor.parse({**DESCRIPTOR, "block_tokens": 32})
+    compat = descriptor.compat_id().hex()
+    service = IndexService(MemoryReplicaStore(clock, IndexLimits()), descriptors=[descriptor])
+    app = create_app(service, Principals.parse(PRINCIPALS))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url=BASE) as http:
+        await client_for(http, "h1").publish(replica(0, compat_id=compat))
+        await client_for(http, "i1").put_status(status(I1))
+        query = LookupRequest.parse(
+            {"scope_id": SCOPE_A, "compat_id": compat, "block_keys": [key(0)], "targets": [I1]}
+        )
+        (estimate,) = (await client_for(http, "pc").lookup(query)).estimates
+        assert estimate.recompute_us == pytest.approx(1e6 * 32 / 400)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.anyio
 
 #: scope B may have 6 records; every other scope as many as the index
 LIMITS = IndexLimits(
-    max_ttl_ms=2_000, max_records=20, max_scope_records=20,
+    max_ttl_ms=2_000, max_records=20, max_scope_records=20, max_descriptors=3,
     quotas=Quotas(scopes={SCOPE_B: Quota(records=6)}),
 )  # fmt: skip
 
@@ -179,3 +179,15 @@ def test_open_store() -> None:
     assert open_store("redis://127.0.0.1:1/0", LIMITS, SystemClock()).name == "redis"
     with pytest.raises(Exception, match="memory"):
         open_store("postgres://x", LIMITS, SystemClock())
+
+
+async def test_descriptors_are_kept_once_each_and_bounded(store: ReplicaStore) -> None:
+    assert await store.descriptor("ab" * 32) is None
+    assert await store.put_descriptor("ab" * 32, b'{"a":1}')
+    assert not await store.put_descriptor("ab" * 32, b'{"b":2}')  # an ID names one descriptor
+    assert await store.descriptor("ab" * 32) == b'{"a":1}'
+    for n in range(1, LIMITS.max_descriptors):
+        await store.put_descriptor(f"{n:064x}", b"{}")
+    with pytest.raises(CapacityExhausted):
+        await store.put_descriptor("cd" * 32, b"{}")
+    assert await store.descriptor("cd" * 32) is None

@@ -234,7 +234,8 @@ async def test_a_prefetch_that_stalls_does_not_hold_up_the_requests_being_served
     model_files: ModelFiles,
 ) -> None:
     source = SlowSource()
-    index = IndexService(MemoryReplicaStore(SystemClock(), IndexLimits()))
+    store = MemoryReplicaStore(SystemClock(), IndexLimits())
+    index = IndexService(store)
     index_app = create_index_app(index, Principals.development_mode())
     async with serving(source.app) as holder, serving(index_app) as index_url:
         compat = model_files.compat_id.hex()
@@ -261,6 +262,8 @@ async def test_a_prefetch_that_stalls_does_not_hold_up_the_requests_being_served
         instance = InstanceService(config, model_files)
         await instance.start()
         try:
+            # it tells the IS what its Compatibility ID stands for (KVSP 4.1, for 6.2's estimates)
+            await until(lambda: compat in store.descriptors, "the descriptor is registered")
             directive = PrefetchDirective.model_validate(
                 {
                     "directive": str(uuid.uuid4()),

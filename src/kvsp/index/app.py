@@ -18,6 +18,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kvsp.auth import Principals
+from kvsp.core.compat import CompatibilityDescriptor
 from kvsp.core.ids import parse_block_key, parse_compat_id, parse_scope_id
 from kvsp.core.problems import NotFound, PayloadTooLarge, RecordError
 from kvsp.core.records import (
@@ -66,6 +67,7 @@ def _block_path(request: Request) -> tuple[str, str, str]:
 
 
 _PUBLISHED = obj(["created", "ttl_ms"], created={"type": "boolean"}, ttl_ms={"type": "integer"})
+_REGISTERED = obj(["created"], created={"type": "boolean"})
 _BATCH_ANSWER = obj(
     ["put", "delete"],
     put={"type": "array", "items": _PUBLISHED},
@@ -121,6 +123,14 @@ def create_app(
         query = decode_lookup(await read_body(scope, receive, max_body_octets))
         await send_json(send, await service.lookup(principal, query))
 
+    async def register(request: Request) -> Response:
+        compat = request.path_params["compat"]
+        parse_compat_id(compat)
+        body = await read_json_body(request, max_body_octets)
+        created = await service.register(principal_of(request.scope), compat, body)
+        return json_response(b'{"created":%s}' % (b"true" if created else b"false"),
+                             201 if created else 200)  # fmt: skip
+
     async def status(request: Request) -> Response:
         principal = principal_of(request.scope)
         parsed = InstanceStatusRecord.parse(await read_json_body(request, max_body_octets))
@@ -146,6 +156,10 @@ def create_app(
            "each entry's scope and holder", ReplicaBatch, {200: _BATCH_ANSWER}),
         Op("POST", "lookup", AsgiEndpoint(lookup), "prefix lookup (KVSP 6.2)", LOOKUP_ROLES,
            "the query's scope", LookupRequest, {200: LookupResponse}),
+        Op("PUT", "descriptors/{compat}", register,
+           "what a Compatibility ID stands for (KVSP 4.1; extension), verified", PUBLISH_ROLES,
+           body=CompatibilityDescriptor,
+           answers={200: _REGISTERED, 201: _REGISTERED}),
         Op("PUT", "status", status, "an instance's status, for estimates (extension)",
            STATUS_ROLES, "the instance's URL in its holders", InstanceStatusRecord,
            {200: obj(["accepted"], accepted={"type": "boolean"})}),

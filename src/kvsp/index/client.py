@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from kvsp.core.compat import CompatibilityDescriptor
 from kvsp.core.records import (
     InstanceStatusRecord,
     LookupRequest,
@@ -48,6 +49,11 @@ class IndexClient(JsonClient):
             [PublishOutcome(bool(p["created"]), int(p["ttl_ms"])) for p in doc["put"]],
             [bool(d["withdrawn"]) for d in doc["delete"]],
         )
+
+    async def register(self, descriptor: CompatibilityDescriptor) -> bool:
+        """Tell the IS what this party's Compatibility ID stands for; True if it was new."""
+        path = f"descriptors/{descriptor.compat_id().hex()}"
+        return bool((await self._send("PUT", path, descriptor.canonical())).json()["created"])
 
     async def lookup(self, request: LookupRequest) -> LookupResponse:
         body = request.model_dump_json(exclude_none=True).encode()

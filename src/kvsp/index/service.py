@@ -21,8 +21,9 @@ from prometheus_client.core import (
     Metric,
 )
 
-from kvsp.auth import Principal
-from kvsp.core.problems import RecordError
+from kvsp.auth import Principal, authorize
+from kvsp.core.compat import CompatibilityDescriptor
+from kvsp.core.problems import DescriptorError, RecordError
 from kvsp.core.records import (
     InstanceStatusRecord,
     ReplicaBatch,
@@ -31,6 +32,7 @@ from kvsp.core.records import (
 )
 from kvsp.index.queries import LookupQuery
 from kvsp.index.state import (
+    PUBLISH_ROLES,
     PublishOutcome,
     answer_json,
     authorize_lookup,
@@ -122,10 +124,37 @@ class IndexService:
         store: ReplicaStore,
         metrics: IndexMetrics | None = None,
         max_layers: int = DEFAULT_MAX_LAYERS,
+        descriptors: Sequence[CompatibilityDescriptor] = (),
     ) -> None:
         self.store = store
         self.metrics = metrics or IndexMetrics()
         self.max_layers = max_layers
+        #: the block size of every Compatibility ID whose descriptor is known here: the
+        #: configured ones, and those registered and read back (an ID names one descriptor,
+        #: so what is known never changes)
+        self._block_tokens = {d.compat_id().hex(): d.block_tokens for d in descriptors}
+
+    async def register(self, principal: Principal, compat: str, body: bytes) -> bool:
+        """``PUT descriptors/{compat}``: a holder or instance says what its Compatibility ID
+        stands for (KVSP 4.1), so lookups as 6.2 writes them get estimates. The ID is
+        recomputed from the descriptor, never taken on trust; True if it was new here."""
+        authorize(principal, PUBLISH_ROLES)
+        descriptor = CompatibilityDescriptor.parse(body)
+        computed = descriptor.compat_id().hex()
+        if computed != compat:
+            raise DescriptorError(f"the descriptor's Compatibility ID is {computed}, not {compat}")
+        created = await self.store.put_descriptor(compat, descriptor.canonical())
+        self._block_tokens[compat] = descriptor.block_tokens
+        return created
+
+    async def _block_tokens_of(self, compat: str) -> int | None:
+        known = self._block_tokens.get(compat)
+        if known is None:
+            stored = await self.store.descriptor(compat)
+            if stored is not None:
+                known = CompatibilityDescriptor.parse(stored).block_tokens
+                self._block_tokens[compat] = known
+        return known
 
     async def publish(
         self, principal: Principal, records: Sequence[ReplicaRecord]
@@ -174,7 +203,10 @@ class IndexService:
     async def lookup(self, principal: Principal, query: LookupQuery) -> bytes:
         """The answer's JSON; without estimates to make, straight from the store's ``answer``."""
         authorize_lookup(principal, query.scope_id)
-        if not query.targets or query.block_tokens is None:
+        block_tokens = query.block_tokens
+        if query.targets and block_tokens is None:
+            block_tokens = await self._block_tokens_of(query.compat_id)
+        if not query.targets or block_tokens is None:
             matched, answer = await self.store.answer(
                 query.compat_id, query.scope_id, query.block_keys
             )
@@ -185,7 +217,7 @@ class IndexService:
         )
         blocks = result.matched
         self.metrics.lookups.observe(len(query.block_keys), len(blocks))
-        estimates = estimate_targets(query.targets, result.statuses, blocks, query.block_tokens)
+        estimates = estimate_targets(query.targets, result.statuses, blocks, block_tokens)
         return answer_json(
             blocks, ",".join(e.model_dump_json(exclude_none=True) for e in estimates).encode()
         )

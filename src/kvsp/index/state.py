@@ -74,6 +74,8 @@ class IndexLimits:
     max_ttl_ms: int = 600_000
     max_records: int = 5_000_000
     max_instances: int = 65_536
+    #: Compatibility Descriptors holders and instances may register (KVSP 4.1)
+    max_descriptors: int = 4096
     #: records one scope may have where the quotas set none: one tenant cannot fill the index
     max_scope_records: int = 1_000_000
     quotas: Quotas = field(default_factory=Quotas)

@@ -38,7 +38,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvsp.core.clock import Clock
-from kvsp.core.problems import InvalidInput, ServiceUnavailable, StaleEpoch
+from kvsp.core.problems import CapacityExhausted, InvalidInput, ServiceUnavailable, StaleEpoch
 from kvsp.core.records import InstanceStatusRecord, ReplicaRecord, ReplicaRef
 from kvsp.core.urls import canonical_url
 from kvsp.index.state import (
@@ -90,6 +90,16 @@ class ReplicaStore(Protocol):
 
     async def put_status(self, status: InstanceStatusRecord) -> None: ...
 
+    async def put_descriptor(self, compat: str, canonical: bytes) -> bool:
+        """Keep a verified descriptor (its RFC 8785 form) under its ID; True if new. A known
+        ID keeps what it has (an ID names one descriptor); beyond ``max_descriptors`` new
+        ones are ``CapacityExhausted``."""
+        ...
+
+    async def descriptor(self, compat: str) -> bytes | None:
+        """The registered descriptor of ``compat``, if any."""
+        ...
+
     async def counts_by_scope(self) -> dict[str, int]: ...
 
     async def expired_total(self) -> int: ...
@@ -109,6 +119,8 @@ class MemoryReplicaStore:
     def __init__(self, clock: Clock, limits: IndexLimits) -> None:
         self.table = ReplicaTable(clock, limits)
         self.statuses = StatusTable(clock, limits)
+        self.limits = limits
+        self.descriptors: dict[str, bytes] = {}
 
     async def publish(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]:
         return self.table.publish_many(records)
@@ -132,6 +144,17 @@ class MemoryReplicaStore:
 
     async def put_status(self, status: InstanceStatusRecord) -> None:
         self.statuses.put(status)
+
+    async def put_descriptor(self, compat: str, canonical: bytes) -> bool:
+        if compat in self.descriptors:
+            return False
+        if len(self.descriptors) >= self.limits.max_descriptors:
+            raise CapacityExhausted(_descriptors_full(self.limits))
+        self.descriptors[compat] = canonical
+        return True
+
+    async def descriptor(self, compat: str) -> bytes | None:
+        return self.descriptors.get(compat)
 
     async def counts_by_scope(self) -> dict[str, int]:
         return self.table.counts_by_scope()
@@ -200,6 +223,18 @@ redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return {1, epoch}
 """
 )
+# KEYS[1] descriptors hash; ARGV: compat id, canonical descriptor, max descriptors.
+# 0 when known (kept as it is), -1 when full, 1 when stored.
+_DESCRIPTOR = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+if redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[3]) then return -1 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+
+def _descriptors_full(limits: IndexLimits) -> str:
+    return f"this Index Service keeps at most {limits.max_descriptors} descriptors"
 
 
 class RedisReplicaStore:
@@ -226,6 +261,7 @@ class RedisReplicaStore:
         self._expire_field = self._redis.register_script(_EXPIRE_FIELD)
         self._dequeue = self._redis.register_script(_DEQUEUE)
         self._status = self._redis.register_script(_STATUS)
+        self._descriptor = self._redis.register_script(_DESCRIPTOR)
         self._expirer: asyncio.Task[None] | None = None
 
     def _block(self, compat: str, scope: str, key: str) -> str:
@@ -233,6 +269,10 @@ class RedisReplicaStore:
 
     def _queue(self, scope: str) -> str:
         return f"{self._p}x:{{{scope}}}"
+
+    @property
+    def _descriptors_key(self) -> str:
+        return f"{self._p}d"
 
     def _status_key(self, instance: str) -> str:
         return f"{self._p}s:{{{canonical_url(instance)}}}"
@@ -347,6 +387,21 @@ class RedisReplicaStore:
             raise StaleEpoch(
                 f"epoch {status.epoch} of {status.instance} is below {int(highest)}, already seen"
             )
+
+    async def put_descriptor(self, compat: str, canonical: bytes) -> bool:
+        pipe = self._redis.pipeline(transaction=False)
+        args: list[str | bytes | int] = [compat, canonical, self._limits.max_descriptors]
+        await self._descriptor(keys=[self._descriptors_key], args=args, client=pipe)
+        (outcome,) = await self._run(pipe)
+        if int(outcome) < 0:
+            raise CapacityExhausted(_descriptors_full(self._limits))
+        return int(outcome) == 1
+
+    async def descriptor(self, compat: str) -> bytes | None:
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hget(self._descriptors_key, compat)
+        (found,) = await self._run(pipe)
+        return None if found is None else bytes(found)
 
     async def counts_by_scope(self) -> dict[str, int]:
         pipe = self._redis.pipeline(transaction=False)

@@ -141,6 +141,8 @@ class InstanceConfig:
 
 T = TypeVar("T")
 
+#: how often the instance registers its descriptor at the IS again
+REGISTER_EVERY_S = 60.0
 #: whose turn the controller's own engine work (sequence shards) takes
 CONTROL_TURN = ""
 #: why a session of an epoch the controller marked failed stopped (it was resumed elsewhere)
@@ -350,6 +352,20 @@ class InstanceService:
     async def start(self) -> None:
         await self.holder.start()
         self._spawn(self._status_loop())
+        if self.index is not None:
+            self._spawn(self._register(self.index))
+
+    async def _register(self, index: IndexClient) -> None:
+        """Tell the IS what this instance's Compatibility ID stands for (KVSP 4.1), so it can
+        answer lookups as 6.2 writes them with estimates; again every minute (an IS on the
+        memory store forgets over a restart), a second after a failure."""
+        while True:
+            try:
+                await index.register(self.files.descriptor)
+                await asyncio.sleep(REGISTER_EVERY_S)
+            except KvspError as exc:
+                log.warning("descriptor not registered at the index: %s", exc.detail)
+                await asyncio.sleep(1.0)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run ``work`` in the background; finished tasks let go of themselves."""
