@@ -427,3 +427,27 @@ async def test_a_restart_fails_the_old_epochs_sessions_over_at_once(env: Env) ->
     assert session["epoch"] == 1
     resumed = [s for s in env.stand_ins.values() if s.of("resume")]
     assert len(resumed) == 1
+
+
+async def test_4_4_a_greedy_session_is_deterministic_only_among_identical_engines(
+    env: Env,
+) -> None:
+    same = "kvsp 0.1.0; transformers 4.57.1; torch 2.13.0; cpu float32; threads 2"
+    other = "kvsp 0.1.0; vllm 0.32.0; torch 2.13.0; cpu float32 eager; pages 16"
+    await env.report(0, engine=same)
+    await env.report(1, engine=same, queued=3)
+    doc = await env.place(session=SESSION)  # greedy, deterministic as asked
+    assert (doc["sampler"]["method"], doc["sampler"]["deterministic"]) == ("greedy", True)
+    await env.report(2, engine=other, queued=3)  # a different engine could now resume it
+    gated = await env.place(session="another-session")
+    assert (gated["sampler"]["method"], gated["sampler"]["deterministic"]) == ("greedy", False)
+    # the deterministic session fails over only to the identical engine, never to the other
+    env.clock.advance(2_000)
+    await env.report(1, engine=same, queued=3)
+    await env.report(2, engine=other)
+    env.clock.advance(1_000)
+    await env.service.tick()
+    moved = (await env.call("GET", f"sessions/{doc['session']}")).json()
+    assert moved["instance"] == env.urls[1]  # busier, but the same engine
+    resumed_at_other = [r["session"] for r in env.stand_ins[env.urls[2]].of("resume")]
+    assert resumed_at_other == [gated["session"]]  # its tokens waited for acks: it may go

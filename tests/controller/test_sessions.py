@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvsp.controller.sessions import SessionTable
+from kvsp.controller.sessions import SessionTable, resumers, sampler_for
 from kvsp.core.problems import Forbidden, InvalidInput, NotFound, RecordError, StaleEpoch
+from kvsp.core.records import Sampler
 from tests.controller.factories import SESSION, checkpoint
-from tests.index.factories import I1, I2, SCOPE_B
+from tests.index.factories import I1, I2, SCOPE_B, status
 
 
 def opened() -> SessionTable:
@@ -92,3 +93,39 @@ def test_sessions_are_bounded() -> None:
     assert len(table) == 2
     with pytest.raises(NotFound):
         table.get(ids[0])
+
+
+GREEDY = Sampler(method="greedy", deterministic=True)
+ENGINE_A = "kvsp 0.1.0; transformers 4.57.1; torch 2.13.0; cpu float32; threads 2"
+ENGINE_B = "kvsp 0.1.0; vllm 0.32.0; torch 2.13.0; cpu float32 eager; pages 16"
+
+
+def test_4_4_deterministic_only_where_every_instance_that_may_resume_computes_the_same_bits() -> (
+    None
+):
+    a1, a2 = status(I1, engine=ENGINE_A), status(I2, engine=ENGINE_A)
+    b = status("http://127.0.0.1:9203/kvsp/", engine=ENGINE_B)
+    unknown = status("http://127.0.0.1:9204/kvsp/")
+    assert sampler_for(GREEDY, a1, [a1, a2]).deterministic
+    # a vLLM-backed instance could resume it: its tokens must wait for acknowledged checkpoints
+    assert not sampler_for(GREEDY, a1, [a1, a2, b]).deterministic
+    assert not sampler_for(GREEDY, a1, [a1, unknown]).deterministic  # no identity: different
+    assert not sampler_for(GREEDY, unknown, [unknown]).deterministic
+    assert not sampler_for(GREEDY, None, [a1]).deterministic  # launched, not reported yet
+    top_p = checkpoint().sampler
+    assert sampler_for(top_p, a1, [a1]) == top_p  # never made deterministic
+    assert sampler_for(GREEDY, a1, [a1]).method == "greedy"
+
+
+def test_a_deterministic_session_resumes_only_on_an_identical_engine() -> None:
+    table = SessionTable()
+    entry = table.open(checkpoint(0, sampler=GREEDY.to_json()), I1, engine=ENGINE_A)
+    same, other = (
+        status(I2, engine=ENGINE_A),
+        status("http://127.0.0.1:9203/kvsp/", engine=ENGINE_B),
+    )
+    unknown = status("http://127.0.0.1:9204/kvsp/")
+    assert resumers(entry, [other, same, unknown]) == [same]
+    assert resumers(entry, [other, unknown]) == []  # nowhere: another engine may alter output
+    gated = table.open(checkpoint(0), I1, engine=ENGINE_A)  # top-p: tokens wait for acks
+    assert resumers(gated, [other, same, unknown]) == [other, same, unknown]

@@ -272,8 +272,9 @@ class FrontEnd:
         if instance is None:
             raise ServiceUnavailable(f"no instance can take the request: {placement.decision}")
         turn = Turn(session, canonical_url(instance), len(tokens))
+        served = placement.sampler or sampler  # deterministic only where failover keeps it so
         body = {
-            "tenant": tenant.name, "tokens": tokens, "sampler": sampler.to_json(),
+            "tenant": tenant.name, "tokens": tokens, "sampler": served.to_json(),
             "max_tokens": max_tokens, "session": session,
             "epoch": placement.session_epoch or 0,
         }  # fmt: skip

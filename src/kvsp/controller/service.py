@@ -41,7 +41,7 @@ from kvsp.controller.placement import (
     place,
 )
 from kvsp.controller.reshard import ReshardCoordinator, ReshardResult, propose
-from kvsp.controller.sessions import CheckpointAnswer, SessionTable
+from kvsp.controller.sessions import CheckpointAnswer, SessionTable, resumers, sampler_for
 from kvsp.controller.tenants import Tenants
 from kvsp.core.clock import Clock, SystemClock
 from kvsp.core.ids import tenant_session
@@ -126,6 +126,9 @@ class Placement:
     session_epoch: int | None = None
     #: the session's UUID (the tenant's name for it, namespaced: ``tenant_session``)
     session: str | None = None
+    #: the sampler to serve the session with (``deterministic`` cleared unless every instance
+    #: that could resume it computes the same bits: ``sessions.sampler_for``)
+    sampler: Sampler | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc = self.decision.to_json()
@@ -141,6 +144,8 @@ class Placement:
             doc["session_epoch"] = self.session_epoch
         if self.session is not None:
             doc["session"] = self.session
+        if self.sampler is not None:
+            doc["sampler"] = self.sampler.to_json()
         return doc
 
 
@@ -415,8 +420,17 @@ class ControllerService:
         if directive is not None and policy.prefetch and pays and not request.shared_blocks:
             placement = await self._prefetch(placement, decision.instance, directive, wait_prefetch)
         if first is not None:
-            entry = self.sessions.open(first, decision.instance, max_tokens)
-            placement = dataclasses.replace(placement, session_epoch=entry.epoch)
+            eligible = [s.status for s in self.instances.active() + self.instances.sleeping()]
+            chosen_url = canonical_url(decision.instance)
+            served = next((s for s in eligible if canonical_url(s.instance) == chosen_url), None)
+            first = first.model_copy(
+                update={"sampler": sampler_for(first.sampler, served, eligible)}
+            )
+            engine = None if served is None else served.engine
+            entry = self.sessions.open(first, decision.instance, max_tokens, engine)
+            placement = dataclasses.replace(
+                placement, session_epoch=entry.epoch, sampler=first.sampler
+            )
             if self.session_hints is not None:
                 now = self.clock.now_ms()
                 planned = self.session_hints.turn_started(entry.session, entry.instance, now)
@@ -643,10 +657,12 @@ class ControllerService:
             None if chain is None or chain.shared is None else chain.shared.scope_id,
             0 if chain is None else chain.shared_count,
         )
-        active = [i.status for i in self.instances.active()]
+        active = resumers(entry, [i.status for i in self.instances.active()])
         lookup = await self._lookup(request, [s.instance for s in active])
         decision = place(request, lookup, active, [], self.config.placement)
         if decision.instance is None:
+            if entry.checkpoint.sampler.deterministic:  # another engine may alter its output
+                log.error("session %s: no instance with engine %s", session, entry.engine)
             log.error("session %s: no instance to resume on (%s)", session, decision.reason)
             self.failovers.labels("no-instance").inc()
             return

@@ -16,6 +16,7 @@ so session ids cannot pin memory.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvsp.auth import Principal
@@ -27,10 +28,41 @@ from kvsp.core.problems import (
     RecordError,
     StaleEpoch,
 )
-from kvsp.core.records import SessionCheckpoint
+from kvsp.core.records import InstanceStatusRecord, Sampler, SessionCheckpoint
 from kvsp.core.urls import canonical_url
 
-__all__ = ["CheckpointAnswer", "Session", "SessionTable"]
+__all__ = ["CheckpointAnswer", "Session", "SessionTable", "resumers", "sampler_for"]
+
+
+def sampler_for(
+    sampler: Sampler,
+    chosen: InstanceStatusRecord | None,
+    eligible: Sequence[InstanceStatusRecord],
+) -> Sampler:
+    """The sampler a session is served with. KVSP 4.4: ``deterministic`` only if every
+    instance eligible to resume it produces bit-identical output tokens from the same state,
+    which kvsp takes to mean the same engine identity (an instance that reports none is
+    taken for different; so is one launched that has not reported yet, ``chosen`` None).
+    Otherwise the flag is cleared, and the session's tokens wait for
+    acknowledged checkpoints (6.8): a resumed engine that computes other bits cannot alter
+    what was delivered."""
+    if not sampler.deterministic:
+        return sampler
+    engine = None if chosen is None else chosen.engine
+    if engine is not None and all(status.engine == engine for status in eligible):
+        return sampler
+    return sampler.model_copy(update={"deterministic": False})
+
+
+def resumers(
+    session: Session, candidates: Sequence[InstanceStatusRecord]
+) -> list[InstanceStatusRecord]:
+    """Where ``session`` may resume: anywhere, unless its checkpoint says the sampler is
+    deterministic; then only on instances with the engine identity of the one that served it
+    (tokens released without an acknowledgement are regenerated there bit for bit)."""
+    if not session.checkpoint.sampler.deterministic:
+        return list(candidates)
+    return [s for s in candidates if s.engine is not None and s.engine == session.engine]
 
 
 @dataclass(slots=True)
@@ -47,6 +79,9 @@ class Session:
     max_tokens: int | None = None
     #: the current turn was delivered in full: nothing to resume if its instance fails
     turn_done: bool = False
+    #: the engine identity of the instance serving it: a deterministic session resumes only
+    #: on an instance with the same one (KVSP 4.4)
+    engine: str | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -93,7 +128,11 @@ class SessionTable:
         return self.get(session)
 
     def open(
-        self, first: SessionCheckpoint, instance: str, max_tokens: int | None = None
+        self,
+        first: SessionCheckpoint,
+        instance: str,
+        max_tokens: int | None = None,
+        engine: str | None = None,
     ) -> Session:
         """Place a session (or its next turn) at ``instance``; the epoch stays. A next turn is
         a new request whose output starts again at offset 0: its checkpoint replaces the last
@@ -103,6 +142,7 @@ class SessionTable:
             if (known.scope_id, known.compat_id) != (first.scope_id, first.compat_id):
                 raise Forbidden("a session keeps its scope and compatibility")
             known.instance = canonical_url(instance)
+            known.engine = engine
             known.max_tokens = max_tokens
             known.turn_done = False
             known.checkpoint = first.model_copy(update={"epoch": known.epoch})
@@ -118,6 +158,7 @@ class SessionTable:
             first,
             first.output_offset,
             max_tokens=max_tokens,
+            engine=engine,
         )
         self._sessions[first.session] = entry
         while len(self._sessions) > self.max_sessions:

@@ -319,6 +319,10 @@ class InstanceStatusRecord(Record):
     links: Annotated[tuple[Link, ...], Field(max_length=1024)] = ()
     requested_state: Literal[InstanceState.SLEEPING] | None = None
     ttl_ms: PositiveU32
+    #: extension member: what decides the instance's output bits (engine and library versions,
+    #: device, element type, threads); two instances produce bit-identical tokens from one
+    #: state only if they report the same identity (KVSP 4.4 ``sampler.deterministic``)
+    engine: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
     _links_by_holder: dict[str, Link] | None = PrivateAttr(default=None)
 
     @field_validator("links")

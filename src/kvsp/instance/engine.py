@@ -54,6 +54,21 @@ class Engine:
         eos = self.tokenizer.eos_token_id
         self.stop_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
 
+    @property
+    def identity(self) -> str:
+        """What decides this engine's output bits from a given state: kvsp (its sampler), the
+        libraries, the device, the element type and the threads torch splits work over (a
+        different split can round differently). Instances with equal identities resume each
+        other's deterministic sessions (KVSP 4.4)."""
+        import transformers
+
+        from kvsp import __version__
+
+        return (
+            f"kvsp {__version__}; transformers {transformers.__version__}; "
+            f"torch {torch.__version__}; cpu float32; threads {torch.get_num_threads()}"
+        )
+
     # -- forward passes ----------------------------------------------------------------------
 
     @torch.inference_mode()

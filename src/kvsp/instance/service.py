@@ -394,6 +394,10 @@ class InstanceService:
         begun = sum(s.begun for s in live)
         return len(live) - begun, begun
 
+    def engine_identity(self) -> str:
+        """What decides this instance's output bits (``Engine.identity``)."""
+        return self.engine.identity
+
     def status(self) -> InstanceStatusRecord:
         queued, batch = self.engine_load()
         links = [
@@ -414,6 +418,7 @@ class InstanceService:
                 "links": links,
                 "ttl_ms": self.config.status_ttl_ms,
                 "requested_state": InstanceState.SLEEPING if self._wants_sleep() else None,
+                "engine": self.engine_identity(),
             }
         )
 

@@ -225,6 +225,19 @@ class VllmInstanceService(InstanceService):
         self.driver = _Driver(self.vllm)
         return None
 
+    def engine_identity(self) -> str:
+        """vLLM's build, its torch and device, and how the engine was configured (page size,
+        element type, eager mode): what decides its output bits."""
+        import torch
+        import vllm
+
+        from kvsp import __version__
+
+        return (
+            f"kvsp {__version__}; vllm {vllm.__version__}; torch {torch.__version__}; "
+            f"cpu float32 eager; pages {self.options.page_tokens}"
+        )
+
     def engine_load(self) -> tuple[int, int]:
         """vLLM's scheduler: requests waiting for room, and the batch it runs."""
         try:
