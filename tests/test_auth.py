@@ -9,6 +9,7 @@ import pytest
 from kvsp.auth import DEVELOPMENT, Principals, Role, authorize, token_sha256
 from kvsp.core.problems import ConfigurationError, Forbidden, Unauthenticated
 from kvsp.core.urls import canonical_url
+from tests.index.factories import namespace
 
 SCOPE_A = "aa" * 16
 SCOPE_B = "bb" * 16
@@ -87,7 +88,7 @@ def test_development_mode_accepts_everything() -> None:
         ),
         (
             f'[principals.a]\ntoken_sha256 = "{"0" * 64}"\nroles = ["holder"]\nholders = ["h1"]\n',
-            "not a URL",
+            r"not an http\(s\) URL",
         ),
         (f'[principals.a]\ntoken_sha256 = "{"0" * 64}"\nroles = "holder"\n', "list of strings"),
         (
@@ -127,3 +128,16 @@ def test_load(tmp_path: Path) -> None:
 )
 def test_canonical_url(url: str, canonical: str) -> None:
     assert canonical_url(url) == canonical
+
+
+def test_a_moqt_publisher_is_named_by_its_namespace_not_a_relay() -> None:
+    ns = namespace(b"kvsp", b"v1", b"compat", b"scope", b"pub")
+    base = f'[principals.a]\ntoken_sha256 = "{"0" * 64}"\nroles = ["holder"]\n'
+    principals = Principals.parse(base + f'holders = ["moqt-namespace:{ns}"]\n')
+    (publisher,) = principals._by_hash.values()
+    assert publisher.may_act_for(f"moqt-namespace:{ns}")
+    assert not publisher.may_act_for("http://127.0.0.1:9101/kvsp/")
+    with pytest.raises(ConfigurationError, match="authorized by its namespace"):
+        Principals.parse(base + 'holders = ["moqt://relay.example/"]\n')
+    with pytest.raises(ConfigurationError, match="moqt-namespace:AA"):
+        Principals.parse(base + 'holders = ["moqt-namespace:AA"]\n')

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 from kvsp.core.config import config_table, load_toml
 from kvsp.core.ids import HEX16_PATTERN
 from kvsp.core.problems import ConfigurationError, Forbidden, Unauthenticated
+from kvsp.core.records import MOQT_PUBLISHER, decode_moqt_namespace
 from kvsp.core.urls import canonical_url
 
 __all__ = [
@@ -73,7 +74,12 @@ class Principal:
         return ANY in self.scopes or scope_id in self.scopes
 
     def may_act_for(self, holder: str) -> bool:
-        return ANY in self.holders or canonical_url(holder) in self.holders
+        """``holder``: a holder URL, or a MOQT namespace's publisher (``replica_holder``)."""
+        if ANY in self.holders:
+            return True
+        return (
+            holder if holder.startswith(MOQT_PUBLISHER) else canonical_url(holder)
+        ) in self.holders
 
 
 DEVELOPMENT = Principal(
@@ -102,6 +108,25 @@ def authorize(
         raise Forbidden(f"principal {principal.name!r} may not act for holder {holder}")
 
 
+def _holder(holder: str, name: str) -> str:
+    """A ``holders`` entry: ``*``, an http(s) holder URL, or ``moqt-namespace:<namespace>``
+    for the publisher of a MOQT namespace (KVSP 4.4: the relay's URI authorizes nobody)."""
+    if holder == ANY:
+        return holder
+    if holder.startswith(MOQT_PUBLISHER):
+        try:
+            decode_moqt_namespace(holder.removeprefix(MOQT_PUBLISHER))
+        except ValueError as exc:
+            raise ConfigurationError(f"principal {name!r}: holder {holder!r}: {exc}") from None
+        return holder
+    if urlsplit(holder).scheme not in ("http", "https"):
+        raise ConfigurationError(
+            f"principal {name!r}: holder {holder!r} is not an http(s) URL or "
+            f"{MOQT_PUBLISHER}<namespace> (a moqt holder is authorized by its namespace)"
+        )
+    return canonical_url(holder)
+
+
 def _strings(entry: Mapping[str, Any], key: str, name: str) -> list[str]:
     value = entry.get(key, [])
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -126,11 +151,7 @@ def _principal(name: str, entry: Any) -> tuple[str, Principal]:
     for scope in scopes:
         if scope != ANY and _SCOPE.fullmatch(scope) is None:
             raise ConfigurationError(f"principal {name!r}: scope {scope!r} is not a hex16 Scope ID")
-    holders = []
-    for holder in _strings(entry, "holders", name):
-        if holder != ANY and urlsplit(holder).scheme not in ("http", "https", "moqt"):
-            raise ConfigurationError(f"principal {name!r}: holder {holder!r} is not a URL")
-        holders.append(holder if holder == ANY else canonical_url(holder))
+    holders = [_holder(holder, name) for holder in _strings(entry, "holders", name)]
     return digest, Principal(name, roles, frozenset(scopes), frozenset(holders))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from typing import Any
 
@@ -72,6 +73,18 @@ def status(
     )
 
 
+def namespace(*fields: bytes) -> str:
+    """A ``moqt_namespace``: five Track Namespace Fields, each after its length octet."""
+    raw = b"".join(bytes([len(f)]) + f for f in fields)
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+#: the namespaces of two MOQT publishers behind one relay
+RELAY = "moqt://relay.example:4443/"
+NAMESPACE_A = namespace(b"kvsp", b"v1", b"compat", b"scope", b"publisher-a")
+NAMESPACE_B = namespace(b"kvsp", b"v1", b"compat", b"scope", b"publisher-b")
+
+
 def principals_toml() -> str:
     """Principals of index tests: holder h1 (scope A), controllers for A and B, instance i1,
     and a metrics scraper."""
@@ -102,5 +115,17 @@ roles = ["metrics"]
 token_sha256 = "{token_sha256("i1")}"
 roles = ["instance"]
 holders = ["{I1}"]
+scopes = ["{SCOPE_A}"]
+
+[principals.moqt-a]
+token_sha256 = "{token_sha256("moqt-a")}"
+roles = ["holder"]
+holders = ["moqt-namespace:{NAMESPACE_A}"]
+scopes = ["{SCOPE_A}"]
+
+[principals.moqt-b]
+token_sha256 = "{token_sha256("moqt-b")}"
+roles = ["holder"]
+holders = ["moqt-namespace:{NAMESPACE_B}"]
 scopes = ["{SCOPE_A}"]
 """

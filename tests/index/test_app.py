@@ -13,7 +13,7 @@ from kvsp.auth import Principals
 from kvsp.core.clock import ManualClock
 from kvsp.core.compat import CompatibilityDescriptor
 from kvsp.core.problems import Forbidden, NotFound, RecordError, Unauthenticated
-from kvsp.core.records import LookupRequest
+from kvsp.core.records import LookupRequest, ReplicaRef
 from kvsp.index.app import MAX_BATCH_ENTRIES, create_app
 from kvsp.index.client import IndexClient
 from kvsp.index.service import IndexService
@@ -25,6 +25,9 @@ from tests.index.factories import (
     H1,
     H2,
     I1,
+    NAMESPACE_A,
+    NAMESPACE_B,
+    RELAY,
     SCOPE_A,
     SCOPE_B,
     key,
@@ -334,3 +337,30 @@ async def test_configured_descriptors_give_estimates_from_the_start(clock: Manua
         )
         (estimate,) = (await client_for(http, "pc").lookup(query)).estimates
         assert estimate.recompute_us == pytest.approx(1e6 * 32 / 400)
+
+
+async def test_4_4_the_publisher_of_a_moqt_namespace_is_its_holder_not_the_relay(
+    http: httpx.AsyncClient,
+) -> None:
+    a, b = client_for(http, "moqt-a"), client_for(http, "moqt-b")
+    mine = replica(0, RELAY, moqt_namespace=NAMESPACE_A)
+    theirs = replica(0, RELAY, moqt_namespace=NAMESPACE_B)
+    assert (await a.publish(mine)).created
+    with pytest.raises(Forbidden):  # the same relay, another publisher's namespace
+        await a.publish(theirs)
+    with pytest.raises(Forbidden):  # an HTTP holder's record: not a's to publish
+        await a.publish(replica(1))
+    assert (await b.publish(theirs)).created  # one relay, two publishers: two replicas
+    answer = await client_for(http, "pc").lookup(lookup_request(0))
+    assert sorted(r.moqt_namespace or "" for r in answer.replicas[0]) == sorted(
+        [NAMESPACE_A, NAMESPACE_B]
+    )
+    named = {"compat_id": COMPAT, "scope_id": SCOPE_A, "block_key": key(0), "holder": RELAY}
+    ref_a = ReplicaRef.parse({**named, "moqt_namespace": NAMESPACE_A})
+    with pytest.raises(Forbidden):  # b may not withdraw a's replica
+        await b.withdraw(ref_a)
+    await a.withdraw(ref_a)
+    (left,) = (await client_for(http, "pc").lookup(lookup_request(0))).replicas[0]
+    assert left.moqt_namespace == NAMESPACE_B
+    with pytest.raises(RecordError):  # a moqt holder is named with its namespace
+        ReplicaRef.parse(named)

@@ -14,13 +14,14 @@ import pytest
 from kvsp.core.clock import ManualClock
 from kvsp.core.container import Container
 from kvsp.core.problems import NotFound
-from kvsp.core.records import PrefetchDirective, PrefetchState, ReplicaRecord
-from kvsp.holder.client import HolderClient
+from kvsp.core.records import PrefetchDirective, PrefetchState, ReplicaRecord, ReplicaRef
+from kvsp.holder.client import MOQT_SKIPS, HolderClient, fetchable
 from kvsp.holder.service import HolderConfig, HolderService
 from kvsp.index.client import IndexClient
 from kvsp.instance.prefetch import Prefetcher
 from tests.holder.env import INDEX, Env, holder_env
 from tests.holder.factories import COMPAT, SCOPE, block_id, container
+from tests.index.factories import namespace
 
 pytestmark = pytest.mark.anyio
 
@@ -162,3 +163,22 @@ async def test_a_deadline_that_expires_reports_partial_even_with_nothing_loaded(
     assert status.loaded == ()
     assert target.leased == [True]  # the source could not evict it while it was loading
     assert target.env.service.leases.octets_by_scope() == {}  # released at the deadline
+
+
+async def test_a_replica_served_only_through_moqt_is_passed_over_and_counted(
+    target: Target,
+) -> None:
+    env = target.env
+    held = await env.service.call(lambda: env.service.store.record(block_id(1)))
+    relay = "moqt://relay.example:4443/"
+    ns = namespace(b"kvsp", b"v1", b"c", b"s", b"publisher")
+    moqt = ReplicaRecord.parse({**held.to_json(), "holder": relay, "moqt_namespace": ns})
+    http_ref = ReplicaRef.parse({**held.to_json(), "holder": env.holder})
+    await env.index_service.store.withdraw([http_ref])  # the index knows only the moqt copy
+    await env.index_service.store.publish([moqt])
+    before = MOQT_SKIPS.total
+    status = await target.run((1, [env.holder]))
+    assert status.state is PrefetchState.FAILED  # not an error: nothing kvsp could fetch
+    assert target.fetched == []
+    assert MOQT_SKIPS.total == before + 1
+    assert fetchable([moqt, held]) == [held]

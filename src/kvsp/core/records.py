@@ -45,6 +45,7 @@ from kvsp.core.validation import parse_model
 __all__ = [
     "MAX_KEYS_PER_REQUEST",
     "MOQT_NAMESPACE_FIELDS",
+    "MOQT_PUBLISHER",
     "U16",
     "U32",
     "U63",
@@ -84,6 +85,7 @@ __all__ = [
     "TokenRange",
     "Uuid",
     "decode_moqt_namespace",
+    "replica_holder",
     "split_prompt",
 ]
 
@@ -220,21 +222,14 @@ class ReplicaRecord(Record):
             raise ValueError(f"codec {value} is not registered")
         return value
 
+    @property
+    def publisher(self) -> str:
+        """Who serves this replica, as the IS keys and authorizes it (``replica_holder``)."""
+        return replica_holder(self.holder, self.moqt_namespace)
+
     @model_validator(mode="after")
     def _consistent(self) -> Self:
-        scheme = urlsplit(self.holder).scheme
-        if scheme == "moqt":
-            if self.moqt_namespace is None:
-                raise ValueError("a moqt holder needs moqt_namespace")
-            decode_moqt_namespace(self.moqt_namespace)
-            if not urlsplit(self.holder).hostname:
-                raise ValueError("holder must name a host")
-        elif scheme in ("http", "https"):
-            _http_url(self.holder)
-            if self.moqt_namespace is not None:
-                raise ValueError("moqt_namespace is only for moqt holders")
-        else:
-            raise ValueError("holder must be an http(s) URL or a moqt URI")
+        _check_holder(self.holder, self.moqt_namespace)
         _non_overlapping((r.layers for r in self.residency), "residency", half_open=False)
         if self.layer_digests is not None:
             self.check_layers(len(self.layer_digests))
@@ -277,12 +272,53 @@ class ReplicaRecord(Record):
 
 
 class ReplicaRef(Record):
-    """Names one replica for withdrawal: the block resource and its holder."""
+    """Names one replica for withdrawal: the block resource and its holder (with the
+    namespace for a moqt holder: its publisher is the holder, 4.4)."""
 
     compat_id: Hex32
     scope_id: Hex16
     block_key: Hex32
     holder: Annotated[StrictStr, Field(max_length=_MAX_URL)]
+    moqt_namespace: Annotated[StrictStr, Field(max_length=2048)] | None = None
+
+    @property
+    def publisher(self) -> str:
+        return replica_holder(self.holder, self.moqt_namespace)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        _check_holder(self.holder, self.moqt_namespace)
+        return self
+
+
+#: how the publisher of a MOQT namespace is named where a holder URL would be (principals'
+#: ``holders``, the IS's replica slots)
+MOQT_PUBLISHER = "moqt-namespace:"
+
+
+def replica_holder(holder: str, moqt_namespace: str | None) -> str:
+    """Who serves a replica (KVSP 4.4): an http(s) holder's canonical URL; for a moqt holder
+    the publisher of its namespace, ``moqt-namespace:<namespace>``: a relay's URI carries many
+    publishers' namespaces, so it authorizes nobody and names no replica slot."""
+    if moqt_namespace is None:
+        return canonical_url(holder)
+    return MOQT_PUBLISHER + moqt_namespace
+
+
+def _check_holder(holder: str, moqt_namespace: str | None) -> None:
+    scheme = urlsplit(holder).scheme
+    if scheme == "moqt":
+        if moqt_namespace is None:
+            raise ValueError("a moqt holder needs moqt_namespace")
+        decode_moqt_namespace(moqt_namespace)
+        if not urlsplit(holder).hostname:
+            raise ValueError("holder must name a host")
+    elif scheme in ("http", "https"):
+        _http_url(holder)
+        if moqt_namespace is not None:
+            raise ValueError("moqt_namespace is only for moqt holders")
+    else:
+        raise ValueError("holder must be an http(s) URL or a moqt URI")
 
 
 class ReplicaBatch(Record):

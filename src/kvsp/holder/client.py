@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -39,10 +40,44 @@ from kvsp.holder.blocks import MAX_BLOCK_OCTETS, BlockId, block_ref
 from kvsp.web.client import ClosingClient, auth_headers, problem_for
 from kvsp.web.http1 import BodyTooLarge, Http1Client, ProtocolError, Response
 
-__all__ = ["ArrivalChecks", "BlockReceiver", "HolderClient"]
+__all__ = ["ArrivalChecks", "BlockReceiver", "HolderClient", "MoqtSkips", "fetchable"]
+
+log = logging.getLogger("kvsp.holder.client")
 
 #: the most octets of a problem document or JSON answer read from a holder
 _JSON_OCTETS = 1 << 20
+
+
+class MoqtSkips:
+    """Replicas passed over because they are served only through MOQT (a ``moqt`` holder,
+    KVSP 4.4), which kvsp's clients do not speak (docs/decisions/0017): counted for the
+    metrics, logged the first time only, never an error to the user."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def skip(self, record: ReplicaRecord) -> None:
+        if not self.total:
+            log.warning(
+                "passing over replicas served through MOQT (first: %s at %s); kvsp fetches "
+                "over HTTP only", record.block_key, record.holder,
+            )  # fmt: skip
+        self.total += 1
+
+
+#: every client of this process counts here
+MOQT_SKIPS = MoqtSkips()
+
+
+def fetchable(records: Sequence[ReplicaRecord]) -> list[ReplicaRecord]:
+    """The replicas a kvsp client can fetch: those of http(s) holders (see ``MoqtSkips``)."""
+    out = []
+    for record in records:
+        if record.moqt_namespace is None:
+            out.append(record)
+        else:
+            MOQT_SKIPS.skip(record)
+    return out
 
 
 class BlockReceiver:

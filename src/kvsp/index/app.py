@@ -101,8 +101,10 @@ def create_app(
         holder = request.query_params.get("holder")
         if holder is None:
             raise RecordError("DELETE needs ?holder=URL naming the replica's holder")
+        named = {"compat_id": compat, "scope_id": scope, "block_key": block_key, "holder": holder}
+        namespace = request.query_params.get("moqt_namespace")  # a moqt holder's publisher
         ref = ReplicaRef.parse(
-            {"compat_id": compat, "scope_id": scope, "block_key": block_key, "holder": holder}
+            named if namespace is None else {**named, "moqt_namespace": namespace}
         )
         (removed,) = await service.withdraw(principal, [ref])
         if not removed:
@@ -151,7 +153,8 @@ def create_app(
         Op("PUT", block, publish, "publish a Replica Record (KVSP 6.1)", PUBLISH_ROLES,
            publisher, ReplicaRecord, {200: _PUBLISHED, 201: _PUBLISHED}),
         Op("DELETE", block, withdraw, "withdraw a replica (KVSP 6.1)", PUBLISH_ROLES, publisher,
-           answers={204: None}, query={"holder": {"type": "string"}}),
+           answers={204: None},
+           query={"holder": {"type": "string"}, "moqt_namespace": {"type": "string"}}),
         Op("POST", "replicas", batch, "publish and withdraw many (extension)", PUBLISH_ROLES,
            "each entry's scope and holder", ReplicaBatch, {200: _BATCH_ANSWER}),
         Op("POST", "lookup", AsgiEndpoint(lookup), "prefix lookup (KVSP 6.2)", LOOKUP_ROLES,

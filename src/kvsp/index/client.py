@@ -32,7 +32,10 @@ class IndexClient(JsonClient):
 
     async def withdraw(self, ref: ReplicaRef) -> None:
         path = f"replicas/{ref.compat_id}/{ref.scope_id}/{ref.block_key}"
-        await self._send("DELETE", path, params={"holder": ref.holder})
+        params = {"holder": ref.holder}
+        if ref.moqt_namespace is not None:
+            params["moqt_namespace"] = ref.moqt_namespace
+        await self._send("DELETE", path, params=params)
 
     async def batch(
         self, put: Sequence[ReplicaRecord] = (), delete: Sequence[ReplicaRef] = ()

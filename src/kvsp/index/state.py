@@ -272,11 +272,13 @@ def check_path(record: ReplicaRecord, compat: str, scope: str, block_key: str) -
 
 
 def authorize_publish(principal: Principal, record: ReplicaRecord) -> None:
-    authorize(principal, PUBLISH_ROLES, scope=record.scope_id, holder=record.holder)
+    """KVSP 6.1: the client is the record's holder or may publish for it, and may use its
+    scope; for a moqt holder, the namespace's publisher is the holder (4.4)."""
+    authorize(principal, PUBLISH_ROLES, scope=record.scope_id, holder=record.publisher)
 
 
 def authorize_withdraw(principal: Principal, ref: ReplicaRef) -> None:
-    authorize(principal, PUBLISH_ROLES, scope=ref.scope_id, holder=ref.holder)
+    authorize(principal, PUBLISH_ROLES, scope=ref.scope_id, holder=ref.publisher)
 
 
 def authorize_lookup(principal: Principal, scope_id: str) -> None:
@@ -375,7 +377,7 @@ class ReplicaTable:
         except CapacityExhausted:
             new = set()
             for r in records:
-                holder = canonical_url(r.holder)
+                holder = r.publisher
                 block = self._block((r.compat_id, r.scope_id), r.block_key)
                 if block is None or block.find(holder) is None:
                     new.add((r.compat_id, r.scope_id, r.block_key, holder))
@@ -405,7 +407,7 @@ class ReplicaTable:
         else:
             tail = record if record.ttl_ms == ttl else record.model_copy(update={"ttl_ms": ttl})
         replica = StoredReplica(
-            space, block_key, sys.intern(canonical_url(record.holder)), now + ttl, tail, summary
+            space, block_key, sys.intern(record.publisher), now + ttl, tail, summary
         )
         created = block.put(replica)
         self._set(blocks, block)
@@ -427,7 +429,7 @@ class ReplicaTable:
 
     def withdraw(self, ref: ReplicaRef) -> bool:
         self.expire()
-        return self._remove((ref.compat_id, ref.scope_id), ref.block_key, canonical_url(ref.holder))
+        return self._remove((ref.compat_id, ref.scope_id), ref.block_key, ref.publisher)
 
     def _remove(self, space: Space, block_key: str, holder: str) -> bool:
         blocks = self._spaces.get(space)

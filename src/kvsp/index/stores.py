@@ -285,7 +285,7 @@ class RedisReplicaStore:
         return result
 
     async def publish(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]:
-        holders = [canonical_url(r.holder) for r in records]
+        holders = [r.publisher for r in records]
         scopes = sorted({r.scope_id for r in records})
         check = self._redis.pipeline(transaction=False)
         check.get(f"{self._p}count")
@@ -324,7 +324,7 @@ class RedisReplicaStore:
     async def withdraw(self, refs: Sequence[ReplicaRef]) -> list[bool]:
         pipe = self._redis.pipeline(transaction=False)
         for ref in refs:
-            holder = canonical_url(ref.holder)
+            holder = ref.publisher
             pipe.hdel(self._block(ref.compat_id, ref.scope_id, ref.block_key), holder)
             pipe.zrem(self._queue(ref.scope_id), f"{ref.compat_id}:{ref.block_key}:{holder}")
         results = await self._run(pipe)

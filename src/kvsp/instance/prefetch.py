@@ -34,7 +34,7 @@ from kvsp.core.records import (
 )
 from kvsp.core.registries import Tier
 from kvsp.core.urls import canonical_url
-from kvsp.holder.client import HolderClient
+from kvsp.holder.client import HolderClient, fetchable
 from kvsp.holder.service import HolderService
 from kvsp.index.client import IndexClient
 
@@ -127,7 +127,7 @@ class Prefetcher:
                 sources = {canonical_url(s) for s in block.sources}
                 usable = [
                     r
-                    for r in records.get(block.block_key, ())
+                    for r in fetchable(records.get(block.block_key, ()))
                     if canonical_url(r.holder) in sources
                 ]
                 if not await self._load_one(directive, key, usable):

@@ -79,7 +79,7 @@ from kvsp.core.registries import Tier
 from kvsp.core.shared import ScopedChain, scope_runs
 from kvsp.core.urls import canonical_url
 from kvsp.holder.blocks import BlockId
-from kvsp.holder.client import HolderClient
+from kvsp.holder.client import HolderClient, fetchable
 from kvsp.holder.service import HolderConfig, HolderService
 from kvsp.holder.store import Protected, TierData
 from kvsp.index.client import IndexClient
@@ -583,7 +583,7 @@ class InstanceService:
         limit = asyncio.Semaphore(8)
 
         async def one(records: Sequence[ReplicaRecord]) -> Container | None:
-            for record in records:
+            for record in fetchable(records):
                 if canonical_url(record.holder) == self.url:
                     continue
                 try:

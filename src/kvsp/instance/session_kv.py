@@ -29,7 +29,7 @@ from kvsp.core.container import Container
 from kvsp.core.problems import AlreadyStored, KvspError
 from kvsp.core.records import HttpUrl
 from kvsp.holder.blocks import BlockId
-from kvsp.holder.client import HolderClient
+from kvsp.holder.client import MOQT_SKIPS, HolderClient
 from kvsp.holder.service import BLOCK_ROLES, HolderService
 from kvsp.holder.store import Effect, Publish
 from kvsp.instance.events import EventLog
@@ -268,4 +268,9 @@ class _PerScope(Collector):
             "kvsp_instance_blocks_refused",
             "Blocks fetched from holders that failed verification (never used or published)",
             value=self._kv.peers.refused,
+        )
+        yield CounterMetricFamily(
+            "kvsp_instance_moqt_replicas_skipped",
+            "Replicas passed over because they are served only through MOQT",
+            value=MOQT_SKIPS.total,
         )

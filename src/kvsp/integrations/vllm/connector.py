@@ -56,7 +56,7 @@ from kvsp.core.records import LookupRequest, ReplicaRecord
 from kvsp.core.registries import CODEC_RAW
 from kvsp.core.shared import scope_runs
 from kvsp.holder.blocks import MAX_BLOCK_OCTETS
-from kvsp.holder.client import HolderClient
+from kvsp.holder.client import HolderClient, fetchable
 from kvsp.index.client import IndexClient
 from kvsp.integrations.vllm.layout import CpuPagedCache
 from kvsp.integrations.vllm.loop import LoopThread
@@ -142,8 +142,9 @@ def _layer_index(name: str) -> int:
 
 
 def _holders_first(records: Sequence[ReplicaRecord], near: str | None) -> tuple[ReplicaRecord, ...]:
-    """Records of the configured (nearby) holder first; the IS's order otherwise."""
-    return tuple(sorted(records, key=lambda r: r.holder != near))
+    """Records kvsp can fetch, the configured (nearby) holder's first; the IS's order
+    otherwise."""
+    return tuple(sorted(fetchable(records), key=lambda r: r.holder != near))
 
 
 @dataclass
@@ -326,11 +327,10 @@ class KVSPConnector(KVConnectorBase_V1):
             except (KvspError, TimeoutError) as exc:
                 log.warning("index lookup failed, computing the prompt: %s", exc)
                 break
-            found += [
-                BlockLoad(key, 0, _holders_first(records, near))
-                for key, records in zip(part, answer.replicas, strict=False)
-            ]
-            if answer.matched < len(part):
+            usable = [_holders_first(records, near) for records in answer.replicas]
+            loadable = next((i for i, r in enumerate(usable) if not r), len(usable))
+            found += [BlockLoad(key, 0, r) for key, r in zip(part, usable[:loadable], strict=False)]
+            if loadable < len(part):  # chained keys: nothing after a block kvsp cannot fetch
                 break
         return tuple(found)
 
