@@ -17,7 +17,7 @@ import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
-from typing import Annotated, Any, Literal, Self
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -200,7 +200,21 @@ class Residency(Record):
         return value
 
 
-class ReplicaRecord(Record):
+class _HeldBy:
+    """A replica's holder: a URL, and a namespace for a moqt holder (the members are the
+    models'; annotated here for type checkers only, so they keep their place in each model)."""
+
+    if TYPE_CHECKING:
+        holder: str
+        moqt_namespace: str | None
+
+    @property
+    def publisher(self) -> str:
+        """Who serves the replica, as the IS keys and authorizes it (``replica_holder``)."""
+        return replica_holder(self.holder, self.moqt_namespace)
+
+
+class ReplicaRecord(_HeldBy, Record):
     block_key: Hex32
     compat_id: Hex32
     scope_id: Hex16
@@ -221,11 +235,6 @@ class ReplicaRecord(Record):
         if value not in CODECS:
             raise ValueError(f"codec {value} is not registered")
         return value
-
-    @property
-    def publisher(self) -> str:
-        """Who serves this replica, as the IS keys and authorizes it (``replica_holder``)."""
-        return replica_holder(self.holder, self.moqt_namespace)
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -271,7 +280,7 @@ class ReplicaRecord(Record):
         return covered > last
 
 
-class ReplicaRef(Record):
+class ReplicaRef(_HeldBy, Record):
     """Names one replica for withdrawal: the block resource and its holder (with the
     namespace for a moqt holder: its publisher is the holder, 4.4)."""
 
@@ -281,12 +290,8 @@ class ReplicaRef(Record):
     holder: Annotated[StrictStr, Field(max_length=_MAX_URL)]
     moqt_namespace: Annotated[StrictStr, Field(max_length=2048)] | None = None
 
-    @property
-    def publisher(self) -> str:
-        return replica_holder(self.holder, self.moqt_namespace)
-
     @model_validator(mode="after")
-    def _consistent(self) -> Self:
+    def _checked(self) -> Self:
         _check_holder(self.holder, self.moqt_namespace)
         return self
 
