@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,24 @@ def test_core_is_sans_io(path: Path) -> None:
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module.split(".")[0])
     assert not imported & FORBIDDEN_IN_CORE
+
+
+#: what a pure module may not pull in, however indirectly (the event loop, HTTP, the engines)
+FRAMEWORKS = ("asyncio", "httpx", "starlette", "uvicorn", "fastapi", "redis", "torch", "vllm")
+PURE_MODULES = sorted(
+    {_module_name(p) for p in [*CORE.glob("*.py"), *STATE_MODULES]}
+    | {"kvsp.auth", "kvsp.quotas", "kvsp.instance.session_index", "kvsp.controller.hints"}
+)
+
+
+@pytest.mark.parametrize("name", PURE_MODULES)
+def test_pure_modules_pull_in_no_framework_even_indirectly(name: str) -> None:
+    """Imported alone in a fresh interpreter, a pure module leaves no I/O framework loaded."""
+    probe = (
+        f"import importlib, sys; importlib.import_module({name!r}); "
+        f"print(','.join(m for m in {FRAMEWORKS!r} if m in sys.modules))"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert found == "", f"{name} pulls in {found}"
