@@ -44,6 +44,44 @@ def test_all_is_explicit_and_resolves(name: str) -> None:
     assert not any(attr.startswith("_") and not attr.endswith("__") for attr in exported)
 
 
+#: the flat public API: the protocol surface and the clients (changing it is a decision)
+FLAT_API = {
+    "__version__",
+    # KVSP 4.1-4.3: descriptors and IDs, Scope IDs and Block Keys, containers
+    "CompatibilityDescriptor", "compute_compat_id", "model_digest", "parse_compat_id",
+    "scope_id", "parse_scope_id", "block_keys", "BlockKeyChain", "parse_block_key",
+    "Container", "layer_digest", "replica_digest",
+    # KVSP 4.4 and 6: records
+    "ReplicaRecord", "ReplicaRef", "LookupRequest", "LookupResponse", "InstanceStatusRecord",
+    "SessionCheckpoint", "Sampler", "PrefetchDirective", "PrefetchStatus", "LeaseRequest",
+    "LeaseGrant", "ShardMap",
+    # the error tree (each an RFC 9457 problem type)
+    "KvspError", "InvalidInput", "DescriptorError", "KeyMaterialError", "RecordError",
+    "ContainerError", "DigestError", "ConfigurationError", "Unauthenticated", "Forbidden",
+    "NotFound", "LayersUnavailable", "MethodNotAllowed", "StaleEpoch", "IllegalTransition",
+    "InstanceFailed", "NotAccepting", "AlreadyStored", "PayloadTooLarge", "LeaseQuotaExceeded",
+    "ServiceUnavailable", "CapacityExhausted",
+    # clients of kvsp's services
+    "IndexClient", "HolderClient",
+}  # fmt: skip
+
+
+def test_the_flat_api_is_exactly_the_protocol_surface() -> None:
+    assert set(kvsp.__all__) == FLAT_API
+    for name in kvsp.__all__:
+        value = getattr(kvsp, name)
+        if isinstance(value, type):  # the very object its own module defines, not a copy
+            assert getattr(importlib.import_module(value.__module__), name) is value
+    with pytest.raises(AttributeError):
+        kvsp.NotAName  # noqa: B018
+
+
+def test_importing_kvsp_loads_no_http_client() -> None:
+    probe = "import sys, kvsp; print('httpx' in sys.modules, 'asyncio' in sys.modules)"
+    found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert found.stdout.split() == ["False", "False"]
+
+
 def test_packages_are_found() -> None:
     assert {"kvsp", "kvsp.core", "kvsp.core.keys", "kvsp.cli"} <= set(PUBLIC_MODULES)
 
