@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.servers import Service, free_port
 
-from kvsp.instance.model import install
+from kvsp.model import install
 
 SCOPE_KEY = "77" * 32
 BLOCK = 16

@@ -29,7 +29,7 @@ from kvsp.core.container import Container
 from kvsp.core.records import ReplicaRecord, Sampler
 from kvsp.holder.client import HolderClient
 from kvsp.instance.engine import Engine, KvState
-from kvsp.instance.model import install
+from kvsp.model import install
 
 PROMPT_TOKENS = 2048
 COMPAT = "c0" * 32

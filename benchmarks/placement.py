@@ -26,7 +26,6 @@ from tests.servers import Service
 from kvsp.auth import DEVELOPMENT
 from kvsp.controller.placement import PlacementPolicy, PlacementRequest, place
 from kvsp.controller.service import ControllerConfig, ControllerService
-from kvsp.controller.tenants import Tenants
 from kvsp.core.clock import SystemClock
 from kvsp.core.ids import parse_compat_id
 from kvsp.core.keys import BlockKeyChain, scope_id
@@ -35,6 +34,7 @@ from kvsp.index.client import IndexClient
 from kvsp.index.service import IndexService
 from kvsp.index.state import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore
+from kvsp.tenants import Tenants
 
 INSTANCES = 64
 BLOCKS = 64

@@ -33,8 +33,8 @@ from kvsp.holder.store import Effect, Publish
 from kvsp.instance.engine import Engine, KvState
 from kvsp.instance.hints import HintLimits, PinTable
 from kvsp.instance.kvpool import BlockRefs, KvPages
-from kvsp.instance.model import install
 from kvsp.instance.session_kv import SessionKv
+from kvsp.model import install
 
 BLOCKS = 64
 COMPAT = "c0" * 32

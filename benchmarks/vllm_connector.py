@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.integration.instances import tenants_toml
 from tests.servers import Service, free_port, running
 
-from kvsp.instance.model import install
+from kvsp.model import install
 
 PROMPT_TOKENS = 2048
 PROMPTS = 5

@@ -49,7 +49,7 @@ def redis_url() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def model_files() -> Any:
     """The real model (``kvsp model install`` prepares it; the README's test command runs it)."""
-    from kvsp.instance.model import install
+    from kvsp.model import install
 
     return install()
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvsp.instance.model import ModelFiles
+from kvsp.model import ModelFiles
 from tests.servers import KVSP
 
 pytestmark = pytest.mark.slow

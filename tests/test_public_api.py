@@ -135,3 +135,44 @@ def test_pure_modules_pull_in_no_framework_even_indirectly(name: str) -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True
     ).stdout.strip()
     assert found == "", f"{name} pulls in {found}"
+
+
+#: which packages a package may not import: services never import each other's, and the core
+#: and the shared configuration (auth, tenants, quotas, model) import no service
+LAYERS = {
+    "core": ("kvsp.holder", "kvsp.index", "kvsp.instance", "kvsp.controller", "kvsp.integrations",
+             "kvsp.auth", "kvsp.tenants", "kvsp.quotas", "kvsp.model", "kvsp.web"),
+    "holder": ("kvsp.instance", "kvsp.controller", "kvsp.integrations"),
+    "index": ("kvsp.holder", "kvsp.instance", "kvsp.controller", "kvsp.integrations"),
+    "instance": ("kvsp.controller", "kvsp.integrations"),
+    "controller": ("kvsp.instance", "kvsp.integrations"),
+    "integrations": ("kvsp.controller",),
+}  # fmt: skip
+SHARED = ("auth.py", "tenants.py", "quotas.py", "model.py")
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_no_package_imports_up_or_across_the_layers(package: str) -> None:
+    wrong = [
+        (str(path.relative_to(PACKAGE)), name)
+        for path in sorted((PACKAGE / package).rglob("*.py"))
+        for name in sorted(_imports(path))
+        if name.startswith(LAYERS[package])
+    ]
+    assert wrong == []
+
+
+@pytest.mark.parametrize("name", SHARED)
+def test_the_shared_configuration_imports_no_service(name: str) -> None:
+    services = ("kvsp.holder", "kvsp.index", "kvsp.instance", "kvsp.controller", "kvsp.web")
+    assert not [n for n in _imports(PACKAGE / name) if n.startswith(services)]

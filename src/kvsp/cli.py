@@ -79,7 +79,7 @@ def tenants_quotas_command(
 ) -> None:
     """Print the tenants' quotas keyed by Scope ID (no secret in it): the --quotas file of
     holders and the Index Service."""
-    from kvsp.controller.tenants import Tenants
+    from kvsp.tenants import Tenants
 
     sys.stdout.write(Tenants.load(tenants).quotas.to_toml())
 
@@ -451,8 +451,8 @@ def controller_serve_command(
     from kvsp.controller.instances import InstancePolicy
     from kvsp.controller.placement import PlacementPolicy
     from kvsp.controller.service import ControllerConfig, ControllerService
-    from kvsp.controller.tenants import Tenants
-    from kvsp.instance.model import installed, system_prefix
+    from kvsp.model import installed, system_prefix
+    from kvsp.tenants import Tenants
 
     def tokenize(text: str) -> list[int]:  # the model is needed only for a prefix_system
         return system_prefix(installed(None, block_tokens))(text)
@@ -471,7 +471,7 @@ def controller_serve_command(
     front = None
     if frontend:
         from kvsp.controller.frontend import load_frontend
-        from kvsp.instance.model import installed
+        from kvsp.model import installed
 
         front = load_frontend(service, installed(None, block_tokens), config.instance_token)
     _serve(create_app(service, principals, front), host, port, log_level, http_limit)
@@ -484,7 +484,7 @@ def model_install_command(
     ] = None,
 ) -> None:
     """Fetch and prepare the default model once; prints its folder and Compatibility ID."""
-    from kvsp.instance.model import install
+    from kvsp.model import install
 
     files = install(home)
     typer.echo(json.dumps({"folder": str(files.folder), "compat_id": files.compat_id.hex()}))
@@ -546,11 +546,11 @@ def instance_serve_command(
     """Run an inference instance on HOST:PORT under /kvsp/ (install the model first)."""
     if engine not in ("transformers", "vllm"):
         _fail(f"--engine must be transformers or vllm, not {engine!r}")
-    from kvsp.controller.tenants import Tenants
     from kvsp.instance.app import create_app
     from kvsp.instance.hints import HintLimits
-    from kvsp.instance.model import installed, system_prefix
     from kvsp.instance.service import InstanceConfig, InstanceService
+    from kvsp.model import installed, system_prefix
+    from kvsp.tenants import Tenants
 
     config = InstanceConfig(
         url=url,
@@ -636,7 +636,7 @@ def demo_command(
     import tempfile
 
     from kvsp.demo import run_demo
-    from kvsp.instance.model import install
+    from kvsp.model import install
 
     install()
     where = folder or Path(tempfile.mkdtemp(prefix="kvsp-demo-"))

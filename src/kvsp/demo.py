@@ -36,8 +36,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvsp.core.ids import tenant_session
-from kvsp.instance.model import installed, system_prefix
 from kvsp.local import TENANTS, LocalCluster
+from kvsp.model import installed, system_prefix
 
 __all__ = ["run_demo"]
 

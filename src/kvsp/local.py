@@ -25,10 +25,10 @@ from pathlib import Path
 import httpx
 
 from kvsp.auth import token_sha256
-from kvsp.controller.tenants import Tenants
 from kvsp.core.keys import scope_id
 from kvsp.core.problems import ServiceUnavailable
-from kvsp.instance.model import installed, system_prefix
+from kvsp.model import installed, system_prefix
+from kvsp.tenants import Tenants
 
 __all__ = ["LocalCluster", "Process", "free_port"]
 

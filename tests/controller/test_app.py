@@ -16,7 +16,6 @@ import pytest
 from kvsp.auth import Principals
 from kvsp.controller.app import create_app
 from kvsp.controller.service import ControllerConfig, ControllerService
-from kvsp.controller.tenants import Tenants
 from kvsp.core.clock import ManualClock
 from kvsp.core.ids import tenant_session
 from kvsp.core.keys import block_keys
@@ -26,6 +25,7 @@ from kvsp.index.client import IndexClient
 from kvsp.index.service import IndexService
 from kvsp.index.state import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore
+from kvsp.tenants import Tenants
 from tests.controller.factories import SESSION
 from tests.controller.standin import StandIn
 from tests.index.factories import COMPAT, H1, replica

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvsp.instance.model import ModelFiles
+from kvsp.model import ModelFiles
 from tests.integration.instances import KEYS, PROMPT, Cluster, active, eventually
 from tests.servers import Service, running
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsp.instance.model import ModelFiles
+from kvsp.model import ModelFiles
 from tests.integration.instances import tenants_toml
 from tests.servers import KVSP
 

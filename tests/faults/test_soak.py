@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvsp.instance.model import ModelFiles
 from kvsp.local import LocalCluster, Process
+from kvsp.model import ModelFiles
 from kvsp.web.client import KEEPALIVE_EXPIRY_S
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]

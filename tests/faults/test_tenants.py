@@ -27,8 +27,8 @@ import pytest
 
 from kvsp.auth import token_sha256
 from kvsp.core.ids import tenant_session
-from kvsp.instance.model import ModelFiles
 from kvsp.local import LocalCluster
+from kvsp.model import ModelFiles
 from kvsp.web.openapi import access_rows
 from tests.holder.factories import container
 

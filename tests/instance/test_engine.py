@@ -10,7 +10,7 @@ import torch
 from kvsp.core.container import Container
 from kvsp.core.records import Sampler
 from kvsp.instance.engine import Engine, KvState
-from kvsp.instance.model import ModelFiles
+from kvsp.model import ModelFiles
 
 PROMPT = [(7 * i + 11) % 40_000 + 100 for i in range(64)]  # four blocks of 16
 

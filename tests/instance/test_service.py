@@ -19,7 +19,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvsp.auth import Principal, Principals, Role
-from kvsp.controller.tenants import Tenants
 from kvsp.core.clock import SystemClock
 from kvsp.core.problems import NotAccepting, RecordError
 from kvsp.core.records import (
@@ -35,8 +34,9 @@ from kvsp.index.client import IndexClient
 from kvsp.index.service import IndexService
 from kvsp.index.state import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore
-from kvsp.instance.model import ModelFiles
 from kvsp.instance.service import InstanceConfig, InstanceService, Session, TokenEvent
+from kvsp.model import ModelFiles
+from kvsp.tenants import Tenants
 from tests.servers import free_port, serving
 
 pytestmark = pytest.mark.anyio

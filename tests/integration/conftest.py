@@ -6,7 +6,7 @@ import pytest
 
 from kvsp.core.records import Sampler
 from kvsp.instance.engine import Engine, KvState
-from kvsp.instance.model import ModelFiles
+from kvsp.model import ModelFiles
 from tests.integration.instances import PROMPT
 
 

@@ -41,11 +41,11 @@ from starlette.responses import Response, StreamingResponse
 
 from kvsp.auth import Principal, Role
 from kvsp.controller.service import ControllerService, Placement
-from kvsp.controller.tenants import Tenant
 from kvsp.core.problems import InvalidInput, KvspError, ServiceUnavailable, Unauthenticated
 from kvsp.core.records import Sampler, SessionName
 from kvsp.core.urls import canonical_url
-from kvsp.instance.model import MODEL_NAME, ModelBounds, ModelFiles
+from kvsp.model import MODEL_NAME, ModelBounds, ModelFiles
+from kvsp.tenants import Tenant
 from kvsp.web.client import KEEPALIVE_EXPIRY_S, auth_headers
 from kvsp.web.openapi import ANYONE, Op
 from kvsp.web.server import header_value, read_json_body

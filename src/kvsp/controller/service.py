@@ -42,7 +42,6 @@ from kvsp.controller.placement import (
 )
 from kvsp.controller.reshard import ReshardCoordinator, ReshardResult, propose
 from kvsp.controller.sessions import CheckpointAnswer, SessionTable, resumers, sampler_for
-from kvsp.controller.tenants import Tenants
 from kvsp.core.clock import Clock, SystemClock
 from kvsp.core.ids import tenant_session
 from kvsp.core.problems import KvspError, NotFound, RecordError
@@ -63,6 +62,7 @@ from kvsp.core.shared import ScopedChain
 from kvsp.core.urls import canonical_url
 from kvsp.index.client import IndexClient
 from kvsp.tasks import cancel_all
+from kvsp.tenants import Tenants
 
 __all__ = ["ControllerConfig", "ControllerService", "Launcher", "Placement"]
 

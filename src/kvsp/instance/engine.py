@@ -23,8 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from kvsp.core.container import Container, section_array
 from kvsp.core.problems import ContainerError
 from kvsp.core.records import Sampler
-from kvsp.instance.model import ModelFiles
 from kvsp.instance.sampling import next_token
+from kvsp.model import ModelFiles
 
 __all__ = ["Engine", "KvState"]
 

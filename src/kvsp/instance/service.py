@@ -44,7 +44,6 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsp.auth import Principal, Role, authorize
-from kvsp.controller.tenants import Tenant, Tenants
 from kvsp.core.clock import SystemClock
 from kvsp.core.container import Container
 from kvsp.core.ids import tenant_session
@@ -88,12 +87,13 @@ from kvsp.instance.events import EventPage
 from kvsp.instance.fair import FairWorker
 from kvsp.instance.hints import HintLimits, HintOutcome, KvHints, PinTable
 from kvsp.instance.kvpool import BlockRefs, KvPages
-from kvsp.instance.model import ModelFiles, installed
 from kvsp.instance.prefetch import Prefetcher
 from kvsp.instance.sampling import next_token
 from kvsp.instance.session_kv import SessionKv
 from kvsp.instance.shards import HeldRange, ShardHoldings
+from kvsp.model import ModelFiles, installed
 from kvsp.tasks import cancel_all
+from kvsp.tenants import Tenant, Tenants
 from kvsp.web.client import JsonClient
 
 __all__ = ["InstanceConfig", "InstanceService", "Session", "TokenEvent"]

@@ -6,7 +6,6 @@ from dataclasses import replace
 
 import pytest
 
-from kvsp.controller.tenants import Tenant
 from kvsp.core.ids import parse_compat_id
 from kvsp.core.keys import block_keys, scope_id
 from kvsp.core.problems import ConfigurationError, InvalidInput
@@ -20,6 +19,7 @@ from kvsp.integrations.vllm.plans import (
     fetch_ranges,
     matchable_tokens,
 )
+from kvsp.tenants import Tenant
 from tests.index.factories import COMPAT, replica
 
 SCOPE_KEY = bytes.fromhex("33" * 32)

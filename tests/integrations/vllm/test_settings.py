@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from kvsp.core.problems import ConfigurationError
-from kvsp.instance.model import ModelFiles
 from kvsp.integrations.vllm.settings import ConnectorSettings
+from kvsp.model import ModelFiles
 from tests.integration.instances import tenants_toml
 
 

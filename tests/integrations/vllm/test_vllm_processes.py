@@ -39,7 +39,7 @@ from kvsp.core.records import ReplicaRecord, Sampler
 from kvsp.holder.blocks import BlockMeta
 from kvsp.index.client import IndexClient
 from kvsp.instance.engine import Engine, KvState
-from kvsp.instance.model import ModelFiles
+from kvsp.model import ModelFiles
 from tests.integration.instances import (
     PROMPT,
     SCOPE_KEY,

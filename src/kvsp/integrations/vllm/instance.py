@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING, Any
 from kvsp.core.problems import NotFound, ServiceUnavailable
 from kvsp.core.records import Sampler
 from kvsp.holder.store import TierData
-from kvsp.instance.model import ModelBounds, ModelFiles
 from kvsp.instance.service import InstanceConfig, InstanceService, Session
 from kvsp.integrations.vllm.engine import vllm_environment
+from kvsp.model import ModelBounds, ModelFiles
 
 if TYPE_CHECKING:
     from vllm import RequestOutput, SamplingParams

@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvsp.controller.tenants import Tenant
 from kvsp.core.ids import CompatId, parse_block_key
 from kvsp.core.problems import ConfigurationError
 from kvsp.core.records import ReplicaRecord
 from kvsp.core.shared import ScopedChain
+from kvsp.tenants import Tenant
 
 __all__ = [
     "BlockLoad",

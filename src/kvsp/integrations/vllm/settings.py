@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvsp.controller.tenants import Tenant, Tenants
 from kvsp.core.compat import CompatibilityDescriptor
 from kvsp.core.problems import ConfigurationError, Forbidden, NotFound
 from kvsp.core.urls import canonical_url
-from kvsp.instance.model import ModelFiles, from_folder, system_prefix
+from kvsp.model import ModelFiles, from_folder, system_prefix
+from kvsp.tenants import Tenant, Tenants
 
 __all__ = ["ConnectorSettings"]
 

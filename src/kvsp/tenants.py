@@ -150,7 +150,7 @@ class Tenants:
     @classmethod
     def parse(cls, text: str, tokenize: Tokenize | None = None) -> Tenants:
         """The tenants of ``text``; ``tokenize`` turns a chat's system prompt into the tokens a
-        conversation with it begins with (``kvsp.instance.model.system_prefix``), needed only
+        conversation with it begins with (``kvsp.model.system_prefix``), needed only
         where a shared scope gives ``prefix_system``."""
         doc = load_toml(text, "tenants file")
         tables = doc.get("tenants")

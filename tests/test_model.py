@@ -9,7 +9,7 @@ import pytest
 
 from kvsp.core.compat import CompatibilityDescriptor, model_digest
 from kvsp.core.problems import ConfigurationError
-from kvsp.instance.model import ModelFiles, from_folder, install, installed, weight_files
+from kvsp.model import ModelFiles, from_folder, install, installed, weight_files
 
 
 def test_descriptor_is_derived_from_the_files(model_files: ModelFiles) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from kvsp.auth import Principal, Role
-from kvsp.controller.tenants import Tenants
 from kvsp.core.ids import tenant_session
 from kvsp.core.keys import block_keys
 from kvsp.core.problems import ConfigurationError, Forbidden
 from kvsp.quotas import Quota
+from kvsp.tenants import Tenants
 from tests.index.factories import COMPAT
 
 ACME, GLOBEX, OUTSIDER, SHARED = "11" * 32, "22" * 32, "33" * 32, "44" * 32
