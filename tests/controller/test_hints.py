@@ -52,12 +52,18 @@ def test_long_gaps_and_refused_pins_demote_instead() -> None:
     assert entry is not None
     pin = table.turn_ended("s", A, 0, True, expected_gap_ms=1_000)[0]
     assert pin.action_type == "kv.pin"
-    table.outcome(entry, pin, {"outcome": "rejected", "reason": "pin limits reached"})
+    # a pin clipped by the TTL limit is still a pin; one the pin limits cut is not (the code
+    # says which, whatever the words of the reason)
+    table.outcome(entry, pin, {"outcome": "clipped", "code": "over-limits", "reason": "limit"})
+    assert not entry.pin_refused
+    table.outcome(entry, pin, {"outcome": "clipped", "code": "pin-limit", "reason": "..."})
+    assert entry.pin_refused
+    table.outcome(entry, pin, {"outcome": "rejected", "code": "pin-limit"})
     assert entry.pin_refused
     assert kinds(table.turn_ended("s", A, 0, True, expected_gap_ms=1_000)) == [
         (A, "kv.demote", None)
     ]
-    assert entry.outcomes == {"kv.pin:rejected": 1}
+    assert entry.outcomes == {"kv.pin:clipped": 2, "kv.pin:rejected": 1}
 
 
 def test_user_turns_retain_session_end_demotes_and_a_move_shares() -> None:

@@ -9,18 +9,10 @@ import pytest
 from pydantic import ValidationError
 
 from kvsp.core.clock import ManualClock
+from kvsp.core.hints import HintAction, HintOutcome, KvHints, Reason, action_name, parse_payload
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.store import BlockStore
-from kvsp.instance.hints import (
-    HintAction,
-    HintLimits,
-    HintOutcome,
-    KvHints,
-    LocalHints,
-    PinTable,
-    action_name,
-    parse_payload,
-)
+from kvsp.instance.hints import HintLimits, LocalHints, PinTable
 from kvsp.quotas import Quota, Quotas
 from tests.holder.factories import SCOPE, block_id
 from tests.instance.pools import pool, put
@@ -122,10 +114,12 @@ def test_pin_protects_until_its_ttl_clipped_and_bounded() -> None:
     b1 = put(env.store, 1)
     size = env.store.meta(b1).size
     out = env.act("pin", [b1], ttl_ms=10**9)
-    assert (out.outcome, out.ttl_ms) == ("clipped", env.limits.max_pin_ms)
+    assert (out.outcome, out.ttl_ms, out.code) == ("clipped", env.limits.max_pin_ms, "over-limits")
+    assert out.to_json()["code"] == "over-limits"  # for programs; ``reason`` is for people
     put(env.store, 2)  # G1 holds a pinned block: b2 goes to G2
     assert tiers(env.store, b1) == ["device"]
-    assert env.act("pin", [b1]).outcome == "rejected"  # no TTL
+    no_ttl = env.act("pin", [b1])
+    assert (no_ttl.outcome, no_ttl.code) == ("rejected", Reason.INVALID)
     env.clock.advance(env.limits.max_pin_ms)  # expired: ordinary eviction again
     put(env.store, 3)
     assert tiers(env.store, b1) == ["host"]

@@ -8,6 +8,7 @@ from urllib.parse import urljoin
 
 import httpx
 
+from kvsp.core.hints import KvHints
 from kvsp.core.records import (
     InstanceState,
     PrefetchDirective,
@@ -72,9 +73,9 @@ class InstanceClient(JsonClient):
         body = message.model_dump_json(by_alias=True).encode()
         await self._send("POST", canonical_url(instance) + "reshard", body, timeout_s=timeout_s)
 
-    async def hints(self, instance: str, envelope: dict[str, Any]) -> list[dict[str, Any]]:
+    async def hints(self, instance: str, envelope: KvHints) -> list[dict[str, Any]]:
         """Send a KvHints envelope; the outcome of each action."""
-        body = json.dumps(envelope).encode()
+        body = envelope.model_dump_json().encode()
         response = await self._send("POST", canonical_url(instance) + "hints", body)
         outcomes: list[dict[str, Any]] = response.json()["outcomes"]
         return outcomes

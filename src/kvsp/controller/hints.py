@@ -27,6 +27,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvsp.core.hints import ActionType, Reason
+
 __all__ = [
     "GapEstimator",
     "HintPolicy",
@@ -42,7 +44,7 @@ class PlannedHint:
     """One action for one instance."""
 
     instance: str
-    action_type: str
+    action_type: ActionType
     payload: dict[str, Any]
 
 
@@ -115,23 +117,26 @@ class PinOrDemote:
         ttl = int(gap * self.margin) + self.slack_ms
         if not tool_call:
             payload = {**self._target(hints), "ttl_ms": 2 * ttl, "priority": self.retain_priority}
-            return [PlannedHint(hints.instance, "kv.retain", payload)]
+            return [PlannedHint(hints.instance, ActionType.RETAIN, payload)]
         if ttl <= self.max_pin_ms and not hints.pin_refused:
-            return [PlannedHint(hints.instance, "kv.pin", {**self._target(hints), "ttl_ms": ttl})]
-        return [PlannedHint(hints.instance, "kv.demote", self._target(hints))]
+            pin = {**self._target(hints), "ttl_ms": ttl}
+            return [PlannedHint(hints.instance, ActionType.PIN, pin)]
+        return [PlannedHint(hints.instance, ActionType.DEMOTE, self._target(hints))]
 
     def session_ended(self, hints: SessionHints) -> list[PlannedHint]:
-        return [PlannedHint(hints.instance, "kv.demote", self._target(hints))]
+        return [PlannedHint(hints.instance, ActionType.DEMOTE, self._target(hints))]
 
     def moved(self, hints: SessionHints, old: str, new: str) -> list[PlannedHint]:
-        return [PlannedHint(old, "kv.share", {**self._target(hints), "destination": new})]
+        share = {**self._target(hints), "destination": new}
+        return [PlannedHint(old, ActionType.SHARE, share)]
 
     def outcome(self, hints: SessionHints, hint: PlannedHint, outcome: dict[str, Any]) -> None:
-        if hint.action_type == "kv.pin":
-            refused = outcome.get("outcome") == "rejected" or (
-                outcome.get("outcome") == "clipped" and "limit" in str(outcome.get("reason"))
-            )
-            hints.pin_refused = refused
+        """A refused pin, or one the pin limits cut (its ``code``), makes the policy demote
+        for this session until a pin is accepted again."""
+        if hint.action_type is ActionType.PIN:
+            said = outcome.get("outcome")
+            limited = said == "clipped" and outcome.get("code") == Reason.PIN_LIMIT
+            hints.pin_refused = said == "rejected" or limited
 
 
 class SessionHintTable:

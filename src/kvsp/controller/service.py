@@ -17,7 +17,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -43,6 +43,8 @@ from kvsp.controller.placement import (
 from kvsp.controller.reshard import ReshardCoordinator, ReshardResult, propose
 from kvsp.controller.sessions import CheckpointAnswer, SessionTable, resumers, sampler_for
 from kvsp.core.clock import Clock, SystemClock
+from kvsp.core.hints import HintOutcome, Reason, envelope
+from kvsp.core.hints import Outcome as HintResult
 from kvsp.core.ids import tenant_session
 from kvsp.core.problems import KvspError, NotFound, RecordError
 from kvsp.core.records import (
@@ -522,31 +524,18 @@ class ControllerService:
         table = self.session_hints
         entry = entry or (None if table is None else table.get(session))
         outcomes: list[dict[str, Any]] = []
-        for n, hint in enumerate(planned):
-            action = {
-                "action_id": f"{session}-{n}",
-                "action_type": hint.action_type,
-                "action_version": "1.0",
-                "payload": hint.payload,
-            }
-            envelope = {"protocol_version": "0.1", "message_id": str(uuid.uuid4()),
-                        "actions": [action]}  # fmt: skip
+        for hint in planned:
+            sent = envelope([(hint.action_type, hint.payload)])
             try:
-                [outcome] = await self.peers.hints(hint.instance, envelope)
+                [outcome] = await self.peers.hints(hint.instance, sent)
             except (KvspError, ValueError) as exc:
                 reason = exc.detail if isinstance(exc, KvspError) else str(exc)
-                outcome = {
-                    "action_id": action["action_id"],
-                    "action_type": hint.action_type,
-                    "outcome": "deferred",
-                    "reason": f"{hint.instance}: {reason}",
-                }
+                (action,) = sent.actions
+                unanswered = HintOutcome(action.action_id, action.action_type, "deferred")
+                unanswered.note("deferred", Reason.UNREACHABLE, f"{hint.instance}: {reason}")
+                outcome = unanswered.to_json()
             said = outcome.get("outcome")
-            known = (
-                said
-                if said in ("accepted", "clipped", "deferred", "rejected", "missing")
-                else "invalid"
-            )
+            known = said if said in get_args(HintResult) else "invalid"
             self.hint_outcomes.labels(hint.action_type, known).inc()
             if table is not None and entry is not None:
                 table.outcome(entry, hint, outcome)

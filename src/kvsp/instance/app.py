@@ -18,6 +18,7 @@ from starlette.responses import Response, StreamingResponse
 
 from kvsp.auth import Principals, Role
 from kvsp.core.digests import repr_digest
+from kvsp.core.hints import KvHints
 from kvsp.core.problems import InvalidInput
 from kvsp.core.records import (
     U32,
@@ -36,7 +37,6 @@ from kvsp.core.records import (
 )
 from kvsp.core.registries import BLOCK_MEDIA_TYPE
 from kvsp.holder.app import BLOCK_GET, block_ops
-from kvsp.instance.hints import KvHints
 from kvsp.instance.service import InstanceService, TokenEvent
 from kvsp.web.openapi import ANYONE, METRICS_ROLES, Op, obj, principal_of, routes_of
 from kvsp.web.server import (

@@ -1,19 +1,6 @@
-"""KvHints, pure: the envelope, each action's payload, pins, and the execution of the local
-actions against the pool, each answered with an outcome.
-
-The envelope is the one vLLM merged and SGLang and Dynamo mirror, so one orchestrator can
-address any of them: ``{"protocol_version": "0.1", "message_id", "actions": [{"action_id",
-"action_type", "action_version", "payload"}]}``. Our action types are ``kv.share``,
-``kv.prefetch``, ``kv.demote``, ``kv.pin`` and ``kv.retain`` (the bare names are accepted too),
-version ``1.x``; their payload (docs/api.md) names a target, a session or exact block keys, and
-bounds. An action we do not implement, or cannot parse, is answered ``rejected`` with the
-reason; it never fails the envelope.
-
-Outcomes: ``accepted`` (done as asked), ``clipped`` (done, but less than asked: a shorter TTL, a
-lower priority, fewer blocks because of a limit or because some are not held, listed in
-``missing``), ``deferred`` (nothing done now because of a passing condition: no room that is not
-protected, a destination that did not answer; it may be sent again), ``rejected`` (invalid or
-not allowed), ``missing`` (none of the target blocks is held here).
+"""KvHints at an instance, pure: pins, and the execution of the local actions (retain, pin,
+demote, prefetch) against the pool, each answered with an outcome (the vocabulary is
+``kvsp.core.hints``).
 
 Semantics (all bounded, nothing a hint says can pin memory without bound or block a request):
 
@@ -33,77 +20,16 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from dataclasses import dataclass
 
 from kvsp.core.clock import Clock
+from kvsp.core.hints import HintAction, HintOutcome, HintPayload, Outcome, Reason
 from kvsp.core.problems import CapacityExhausted
-from kvsp.core.records import Hex16, Hex32, HttpUrl, Record
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.store import BlockStore
 from kvsp.quotas import Quotas
 
-__all__ = [
-    "ACTIONS",
-    "HintAction",
-    "HintLimits",
-    "HintOutcome",
-    "HintPayload",
-    "KvHints",
-    "LocalHints",
-    "Outcome",
-    "PinTable",
-    "action_name",
-    "parse_payload",
-]
-
-ACTIONS = ("share", "prefetch", "demote", "pin", "retain")
-Outcome = Literal["accepted", "clipped", "deferred", "rejected", "missing"]
-
-
-class HintAction(Record):
-    action_id: Annotated[str, Field(min_length=1, max_length=256)]
-    action_type: Annotated[str, Field(min_length=1, max_length=64)]
-    action_version: Annotated[str, Field(min_length=1, max_length=16)]
-    payload: dict[str, Any]
-
-
-class KvHints(Record):
-    """The envelope. Only protocol version 0.1 exists; another is refused whole."""
-
-    protocol_version: Literal["0.1"]
-    message_id: Annotated[str, Field(min_length=1, max_length=256)]
-    actions: Annotated[list[HintAction], Field(max_length=256)]
-
-
-class Target(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    session: Annotated[str, Field(min_length=1, max_length=256)] | None = None
-    scope_id: Hex16 | None = None
-    block_keys: Annotated[tuple[Hex32, ...], Field(min_length=1, max_length=4096)] | None = None
-
-    @model_validator(mode="after")
-    def _one_kind(self) -> Target:
-        if (self.session is None) == (self.block_keys is None):
-            raise ValueError("a target is a session or block keys, not both")
-        if self.block_keys is not None and self.scope_id is None:
-            raise ValueError("block keys need their scope_id")
-        return self
-
-
-class HintPayload(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    target: Target
-    ttl_ms: Annotated[int, Field(gt=0)] | None = None
-    priority: Annotated[int, Field(ge=0)] | None = None
-    destination: HttpUrl | None = None
-    tier: Literal["g1", "g2"] | None = None
-    #: resource limit: act on at most this many blocks, root first
-    limit_blocks: Annotated[int, Field(gt=0)] | None = None
+__all__ = ["HintLimits", "LocalHints", "PinTable"]
 
 
 @dataclass(frozen=True)
@@ -117,53 +43,6 @@ class HintLimits:
     #: octets one scope (tenant) may keep pinned where the quotas set none; None: an equal
     #: share of ``pin_total_bytes`` among the tenants
     pin_scope_bytes: int | None = None
-
-
-@dataclass
-class HintOutcome:
-    action_id: str
-    action_type: str
-    outcome: Outcome
-    reason: str | None = None
-    #: blocks the action was carried out on
-    blocks: int = 0
-    missing: list[str] = field(default_factory=list)
-    ttl_ms: int | None = None
-    priority: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "action_id": self.action_id,
-            "action_type": self.action_type,
-            "outcome": self.outcome,
-            "blocks": self.blocks,
-        }
-        for name in ("reason", "ttl_ms", "priority"):
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = value
-        if self.missing:
-            out["missing"] = self.missing
-        return out
-
-
-def action_name(action: HintAction) -> str | None:
-    """Our name for the action (``kv.pin`` and ``pin`` are the same), or None if we do not
-    implement it in this version."""
-    name = action.action_type.removeprefix("kv.")
-    if name not in ACTIONS or action.action_version.split(".")[0] != "1":
-        return None
-    return name
-
-
-def parse_payload(action: HintAction) -> HintPayload | str:
-    """The payload, or the reason it is invalid."""
-    try:
-        return HintPayload.model_validate(action.payload)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "payload"
-        return f"{where}: {first['msg']}"
 
 
 @dataclass(slots=True)
@@ -318,15 +197,15 @@ class LocalHints:
         held = [b for b in blocks if b in self.store]
         outcome.missing = [b[2] for b in blocks if b not in self.store]
         if not held:
-            outcome.outcome, outcome.reason = "missing", "no target block is held here"
+            outcome.note("missing", Reason.NOT_HELD, "no target block is held here")
             return outcome, []
         if outcome.missing:
-            outcome.outcome = "clipped"
-            outcome.reason = f"{len(outcome.missing)} target blocks are not held here"
+            missing = len(outcome.missing)
+            outcome.note("clipped", Reason.NOT_HELD, f"{missing} target blocks are not held here")
         if payload.limit_blocks is not None and len(held) > payload.limit_blocks:
             held = held[: payload.limit_blocks]
-            outcome.outcome = "clipped"
-            outcome.reason = f"limited to {payload.limit_blocks} blocks"
+            limit = payload.limit_blocks
+            outcome.note("clipped", Reason.LIMIT_BLOCKS, f"limited to {limit} blocks")
         return outcome, held
 
     def run(
@@ -347,14 +226,14 @@ class LocalHints:
         for block in blocks:
             if block not in self.store:  # room made for an earlier one dropped it
                 outcome.missing.append(block[2])
-                outcome.outcome = "clipped"
-                outcome.reason = "a target block was dropped to make room for another"
+                dropped = "a target block was dropped to make room for another"
+                outcome.note("clipped", Reason.NOT_HELD, dropped)
                 continue
             try:
                 move(block)
             except CapacityExhausted as exc:
-                outcome.outcome = "deferred" if not outcome.blocks else "clipped"
-                outcome.reason = exc.detail
+                said: Outcome = "deferred" if not outcome.blocks else "clipped"
+                outcome.note(said, Reason.NO_ROOM, exc.detail)
                 return outcome
             outcome.blocks += 1
         return outcome
@@ -370,8 +249,8 @@ class LocalHints:
         granted_ttl = min(ttl, self.limits.max_retain_ms)
         granted_priority = min(priority, self.limits.max_priority)
         if (granted_ttl, granted_priority) != (ttl, priority):
-            outcome.outcome = "clipped"
-            outcome.reason = "TTL or priority above this instance's limits"
+            above = "TTL or priority above this instance's limits"
+            outcome.note("clipped", Reason.OVER_LIMITS, above)
         until = self.clock.now_ms() + granted_ttl
         for block in blocks:
             self.store.retain(block, granted_priority, until)
@@ -383,11 +262,11 @@ class LocalHints:
         self, outcome: HintOutcome, blocks: Sequence[BlockId], payload: HintPayload, owner: str
     ) -> HintOutcome:
         if payload.ttl_ms is None:
-            outcome.outcome, outcome.reason = "rejected", "a pin needs ttl_ms"
+            outcome.note("rejected", Reason.INVALID, "a pin needs ttl_ms")
             return outcome
         granted = min(payload.ttl_ms, self.limits.max_pin_ms)
         if granted < payload.ttl_ms:
-            outcome.outcome, outcome.reason = "clipped", f"TTL clipped to {granted} ms"
+            outcome.note("clipped", Reason.OVER_LIMITS, f"TTL clipped to {granted} ms")
         if payload.tier == "g2":
             for block in blocks:
                 if block not in self.store:  # room made for an earlier one dropped it
@@ -395,15 +274,15 @@ class LocalHints:
                 try:
                     self.store.demote(block)
                 except CapacityExhausted as exc:
-                    outcome.outcome, outcome.reason = "deferred", exc.detail
+                    outcome.note("deferred", Reason.NO_ROOM, exc.detail)
                     return outcome
             blocks = [b for b in blocks if b in self.store]
         sized = [(b, self.store.meta(b).size) for b in blocks]
         pinned = self.pins.pin(owner, sized, self.clock.now_ms() + granted)
         outcome.blocks, outcome.ttl_ms = len(pinned), granted
         if not pinned and blocks:
-            outcome.outcome, outcome.reason = "rejected", "pin limits reached"
+            outcome.note("rejected", Reason.PIN_LIMIT, "pin limits reached")
         elif len(pinned) < len(blocks):
-            outcome.outcome = "clipped"
-            outcome.reason = f"pin limits reached after {len(pinned)} of {len(blocks)} blocks"
+            after = f"pin limits reached after {len(pinned)} of {len(blocks)} blocks"
+            outcome.note("clipped", Reason.PIN_LIMIT, after)
         return outcome

@@ -46,6 +46,7 @@ import numpy.typing as npt
 from kvsp.auth import Principal, Role, authorize
 from kvsp.core.clock import SystemClock
 from kvsp.core.container import Container
+from kvsp.core.hints import HintOutcome, KvHints
 from kvsp.core.ids import tenant_session
 from kvsp.core.problems import (
     AlreadyStored,
@@ -85,7 +86,7 @@ from kvsp.index.client import IndexClient
 from kvsp.instance.engine import Engine, KvState
 from kvsp.instance.events import EventPage
 from kvsp.instance.fair import FairWorker
-from kvsp.instance.hints import HintLimits, HintOutcome, KvHints, PinTable
+from kvsp.instance.hints import HintLimits, PinTable
 from kvsp.instance.kvpool import BlockRefs, KvPages
 from kvsp.instance.prefetch import Prefetcher
 from kvsp.instance.sampling import next_token

@@ -26,6 +26,16 @@ from prometheus_client.registry import Collector
 
 from kvsp.auth import Principal, authorize
 from kvsp.core.container import Container
+from kvsp.core.hints import (
+    HintAction,
+    HintOutcome,
+    HintPayload,
+    KvHints,
+    Outcome,
+    Reason,
+    action_name,
+    parse_payload,
+)
 from kvsp.core.problems import AlreadyStored, KvspError
 from kvsp.core.records import HttpUrl
 from kvsp.holder.blocks import BlockId
@@ -33,17 +43,7 @@ from kvsp.holder.client import MOQT_SKIPS, HolderClient
 from kvsp.holder.service import BLOCK_ROLES, HolderService
 from kvsp.holder.store import Effect, Publish
 from kvsp.instance.events import EventLog
-from kvsp.instance.hints import (
-    HintAction,
-    HintLimits,
-    HintOutcome,
-    HintPayload,
-    KvHints,
-    LocalHints,
-    PinTable,
-    action_name,
-    parse_payload,
-)
+from kvsp.instance.hints import HintLimits, LocalHints, PinTable
 from kvsp.instance.kvpool import BlockRefs
 from kvsp.instance.session_index import SessionPrefixIndex
 
@@ -172,22 +172,24 @@ class SessionKv:
         return outcomes
 
     async def _one(self, principal: Principal, compat_id: str, action: HintAction) -> HintOutcome:
-        def rejected(reason: str) -> HintOutcome:
-            return HintOutcome(action.action_id, action.action_type, "rejected", reason)
+        def rejected(code: Reason, reason: str) -> HintOutcome:
+            return HintOutcome(action.action_id, action.action_type, "rejected", reason, code)
 
         name = action_name(action)
         if name is None:
             return rejected(
-                f"{action.action_type} version {action.action_version} is not implemented here"
+                Reason.NOT_IMPLEMENTED,
+                f"{action.action_type} version {action.action_version} is not implemented here",
             )
         payload = parse_payload(action)
         if isinstance(payload, str):
-            return rejected(payload)
+            return rejected(Reason.INVALID, payload)
         target = payload.target
         scope, keys = target.scope_id, target.block_keys
         if target.session is not None:
             if self.index is None:
-                return rejected("the session index is off; target block keys instead")
+                off = "the session index is off; target block keys instead"
+                return rejected(Reason.NO_SESSION_INDEX, off)
             blocks = self.index.blocks(target.session)
             owner = target.session
             if name == "demote":  # blocks other sessions also own stay where they are
@@ -197,14 +199,14 @@ class SessionKv:
             try:
                 authorize(principal, BLOCK_ROLES, scope=scope)
             except KvspError as exc:
-                return rejected(exc.detail)
+                return rejected(Reason.FORBIDDEN, exc.detail)
             blocks = [(compat_id, scope, k) for k in keys]
             owner = f"principal:{principal.name}"
         else:  # the payload model allows neither
-            return rejected("a target is a session or block keys")
+            return rejected(Reason.INVALID, "a target is a session or block keys")
         if name == "share":
             if payload.destination is None:
-                return rejected("share needs a destination")
+                return rejected(Reason.INVALID, "share needs a destination")
             return await self._share(action, payload, blocks, payload.destination)
 
         def run() -> HintOutcome:
@@ -238,8 +240,8 @@ class SessionKv:
                 except AlreadyStored:
                     pass
                 except KvspError as exc:
-                    outcome.outcome = "clipped" if outcome.blocks else "deferred"
-                    outcome.reason = f"{destination}: {exc.detail}"
+                    said: Outcome = "clipped" if outcome.blocks else "deferred"
+                    outcome.note(said, Reason.UNREACHABLE, f"{destination}: {exc.detail}")
                     break
                 outcome.blocks += 1
                 self.transfer(block, self.holder.url, destination, container.size)

@@ -41,6 +41,7 @@ import numpy as np
 
 from kvsp.controller.hints import PinOrDemote, PlannedHint, SessionHintTable
 from kvsp.core.clock import ManualClock
+from kvsp.core.hints import ActionType, HintAction, action_name, parse_payload
 from kvsp.core.keys import scope_id
 from kvsp.core.problems import AlreadyStored, CapacityExhausted
 from kvsp.core.records import InstanceState, InstanceStatusRecord, Link
@@ -48,14 +49,7 @@ from kvsp.core.registries import CODEC_RAW
 from kvsp.holder.blocks import BlockId, BlockMeta
 from kvsp.holder.store import BlockStore, Effect, Protected, Publish, Span, TierSpec
 from kvsp.index.state import IndexLimits, ReplicaTable
-from kvsp.instance.hints import (
-    HintAction,
-    HintLimits,
-    LocalHints,
-    PinTable,
-    action_name,
-    parse_payload,
-)
+from kvsp.instance.hints import HintLimits, LocalHints, PinTable
 from kvsp.instance.kvpool import BlockRefs
 from kvsp.sim.scenario import Scenario
 from kvsp.sim.workload import SimRequest, tenant_scope_key
@@ -501,7 +495,7 @@ class Cluster:
         next instance fetches through the index anyway)."""
         for hint in planned:
             name = hint.action_type
-            if name == "kv.share" or blocks is None:
+            if name is ActionType.SHARE or blocks is None:
                 continue
             inst = self.nodes[hint.instance]
             assert isinstance(inst, SimInstance)
