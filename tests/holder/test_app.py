@@ -645,3 +645,16 @@ def test_index_routes_are_auto_batch_or_text() -> None:
     assert [parse_index_routes(r) for r in ("auto", "batch", "text")] == ["auto", "batch", "text"]
     with pytest.raises(ConfigurationError, match="auto, batch or text"):
         parse_index_routes("grpc")
+
+
+async def test_a_callers_own_error_is_not_taken_for_an_unreachable_holder(env: Env) -> None:
+    client = env.client("c1")
+    with pytest.raises(ValueError, match="the caller's own bug"):
+        async with client._request("GET", env.holder, "healthz"):
+            raise ValueError("the caller's own bug")
+    with pytest.raises(ServiceUnavailable, match="cannot be asked"):  # the transport's own
+        async with client._request("GET", "ftp://127.0.0.1:1/kvsp/", "healthz"):
+            pass
+    with pytest.raises(ServiceUnavailable, match="unreachable"):
+        async with client._request("GET", "http://127.0.0.1:1/kvsp/", "healthz"):
+            pass

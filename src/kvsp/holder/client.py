@@ -16,6 +16,7 @@ block received alone), so by the time the last octet is in, most of the checking
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -31,6 +32,7 @@ from kvsp.core.problems import (
     ContainerError,
     ContainerLengthError,
     DigestError,
+    KvspError,
     ServiceUnavailable,
 )
 from kvsp.core.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord
@@ -46,6 +48,14 @@ log = logging.getLogger("kvsp.holder.client")
 
 #: the most octets of a problem document or JSON answer read from a holder
 _JSON_OCTETS = 1 << 20
+
+
+def _unreachable(holder: str, method: str, url: str, exc: BaseException) -> KvspError:
+    """A transport failure as a kvsp error: a body above the limit is the container's fault,
+    anything else the holder's (unreachable, gone mid-answer, not speaking HTTP/1.1)."""
+    if isinstance(exc, BodyTooLarge):
+        return ContainerLengthError(f"{method} {url}: {exc}")
+    return ServiceUnavailable(f"holder {holder} unreachable: {exc!r}")
 
 
 class MoqtSkips:
@@ -278,32 +288,31 @@ class HolderClient(ClosingClient):
         sink: memoryview | None = None,
     ) -> AsyncIterator[Response]:
         """A 2xx response (problem documents are raised as kvsp errors); a holder that cannot
-        be reached, or goes away mid-answer, is ``ServiceUnavailable``."""
+        be reached, or goes away mid-answer, is ``ServiceUnavailable``. Only the transport's
+        own errors are translated: anything else the caller's body raises passes unchanged."""
         url = canonical_url(holder) + path
-        problem = None
-        try:
-            async with self._http.request(
-                method,
-                url,
-                params=params,
-                headers=headers,
-                body=body,
-                timeout_s=self._timeout_s,
-                sink=sink,
-            ) as response:
-                if 200 <= response.status < 300:
-                    yield response
-                else:  # read whole, so the connection stays usable
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                response = await stack.enter_async_context(
+                    self._http.request(
+                        method, url, params=params, headers=headers, body=body,
+                        timeout_s=self._timeout_s, sink=sink,
+                    )
+                )  # fmt: skip
+            except ValueError as exc:  # a holder URL no request can be made to
+                raise ServiceUnavailable(f"holder {holder} cannot be asked: {exc}") from None
+            except (OSError, ProtocolError) as exc:
+                raise _unreachable(holder, method, url, exc) from None
+            if not 200 <= response.status < 300:
+                try:  # read whole, so the connection stays usable
                     content = await response.read(_JSON_OCTETS)
-                    problem = problem_for(response.status, content, f"{method} {url}")
-        except BodyTooLarge as exc:
-            raise ContainerLengthError(f"{method} {url}: {exc}") from None
-        except (OSError, ProtocolError) as exc:
-            raise ServiceUnavailable(f"holder {holder} unreachable: {exc!r}") from None
-        except ValueError as exc:  # a holder URL no request can be made to
-            raise ServiceUnavailable(f"holder {holder} cannot be asked: {exc}") from None
-        if problem is not None:
-            raise problem
+                except (OSError, ProtocolError) as exc:
+                    raise _unreachable(holder, method, url, exc) from None
+                raise problem_for(response.status, content, f"{method} {url}")
+            try:
+                yield response
+            except (OSError, ProtocolError) as exc:  # the answer broke off while being read
+                raise _unreachable(holder, method, url, exc) from None
 
     @asynccontextmanager
     async def _receiver(
