@@ -443,3 +443,19 @@ async def test_nothing_can_split_a_request_line_or_field() -> None:
                 pass
     with pytest.raises(ValueError, match="control"):
         Http1Client(headers={"authorization": "Bearer a\nb"})
+
+
+@pytest.mark.anyio
+async def test_the_host_field_never_carries_userinfo_from_the_url() -> None:
+    answer = b"HTTP/1.1 204 No Content\r\ncontent-length: 0\r\n\r\n"
+    server = canned(answers(answer))
+    async with server.running() as url:
+        client = Http1Client()
+        with_userinfo = url.replace("http://", "http://user:secret@")
+        async with client.request("GET", with_userinfo + "x") as r:
+            assert r.status == 204
+        await client.aclose()
+    (sent,) = server.requests
+    host = url.removeprefix("http://").rstrip("/")
+    assert f"host: {host}\r\n".encode() in sent
+    assert b"secret" not in sent

@@ -579,12 +579,13 @@ class Http1Client:
         length = sum(len(p) for p in body)
         if _NOT_IN_TARGET.search(target):
             raise ValueError(f"control characters or spaces in a request to {url!r}")
-        _check_fields({**(headers or {}), "host": parts.netloc})
+        # RFC 9110 7.2: Host is the authority without userinfo (never send credentials there)
+        host = parts.netloc.rpartition("@")[2]
+        _check_fields({**(headers or {}), "host": host})
         fields = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         framing = f"content-length: {length}\r\n" if body or method in ("PUT", "POST") else ""
         head = (
-            f"{method} {target} HTTP/1.1\r\nhost: {parts.netloc}\r\n"
-            f"{self._headers}{fields}{framing}\r\n"
+            f"{method} {target} HTTP/1.1\r\nhost: {host}\r\n{self._headers}{fields}{framing}\r\n"
         ).encode("latin-1")
         slots = self._slots.setdefault(origin, asyncio.Semaphore(self._limit))
         async with slots:
