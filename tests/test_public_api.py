@@ -97,6 +97,7 @@ STATE_MODULES = [
     PACKAGE / "controller" / "sessions.py",
     PACKAGE / "controller" / "reshard.py",
     PACKAGE / "instance" / "kvpool.py",
+    PACKAGE / "instance" / "links.py",
     PACKAGE / "instance" / "sampling.py",
     PACKAGE / "instance" / "shards.py",
 ]

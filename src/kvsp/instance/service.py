@@ -88,6 +88,7 @@ from kvsp.instance.events import EventPage
 from kvsp.instance.fair import FairWorker
 from kvsp.instance.hints import HintLimits, PinTable
 from kvsp.instance.kvpool import BlockRefs, KvPages
+from kvsp.instance.links import LinkEstimates
 from kvsp.instance.prefetch import Prefetcher
 from kvsp.instance.sampling import next_token
 from kvsp.instance.session_kv import SessionKv
@@ -323,7 +324,7 @@ class InstanceService:
         )
         self.shards = ShardHoldings()
         #: measured transfer rate (Mbit/s) and round trip (us) per holder fetched from
-        self.links: dict[str, tuple[float, float]] = {}
+        self.links = LinkEstimates()
         self.prefill_rate = 400.0
         self.decode_rate = 15.0
         #: the engine's one thread, shared fairly between tenants
@@ -403,7 +404,7 @@ class InstanceService:
         queued, batch = self.engine_load()
         links = [
             {"holder": holder, "mbit_per_s": rate, "rtt_us": rtt}
-            for holder, (rate, rtt) in self.links.items()
+            for holder, rate, rtt in self.links
         ]
         return InstanceStatusRecord.model_validate(
             {
@@ -515,18 +516,12 @@ class InstanceService:
         """A verified block from another holder; the link to it is measured on the way (the
         rate of the transfer, and a round trip measured once per holder)."""
         holder = canonical_url(record.holder)
-        old = self.links.get(holder)
-        if old is None:
+        if not self.links.knows(holder):
             with contextlib.suppress(KvspError):
-                old = (0.0, await self.peers.round_trip_us(holder))
+                self.links.round_trip(holder, await self.peers.round_trip_us(holder))
         start = time.perf_counter()
         container = await self.peers.get(record)
-        seconds = max(time.perf_counter() - start, 1e-6)
-        rate = 8 * container.size / seconds / 1e6
-        if old is None or old[0] == 0.0:
-            self.links[holder] = (rate, 200.0 if old is None else old[1])
-        else:
-            self.links[holder] = (0.7 * old[0] + 0.3 * rate, old[1])
+        self.links.transfer(holder, container.size, time.perf_counter() - start)
         block = (record.compat_id, record.scope_id, record.block_key)
         self.kv.transfer(block, holder, self.url, container.size)
         return container
