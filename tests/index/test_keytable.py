@@ -1,17 +1,30 @@
-"""The compiled block-key table against a dict model: every operation, malformed keys, growth,
-deletion inside probe runs, and the answer it assembles."""
+"""The block-key table, compiled and its pure-Python fallback, against a dict model: every
+operation, malformed keys, growth, deletion inside probe runs, and the answer it assembles."""
 
 from __future__ import annotations
 
 import gc
 import hashlib
+import subprocess
+import sys
 import weakref
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsp.index._keytable import KeyTable, check_keys, is_hex
+from kvsp.index import keytable
+from kvsp.index.keytable import COMPILED, DictKeyTable, KeyTable, check_keys, is_hex
+from tests.conftest import ROOT
+
+#: each implementation: its table, and its key checks (the compiled one where it was built)
+IMPLEMENTATIONS: dict[str, tuple[Any, Any, Any]] = {
+    "fallback": (DictKeyTable, keytable._check_keys, keytable._is_hex),
+}
+if COMPILED:
+    IMPLEMENTATIONS["compiled"] = (KeyTable, check_keys, is_hex)
+both = pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
 
 
 def key(n: int) -> str:
@@ -25,7 +38,7 @@ class Value:
         self.n = n
 
 
-def frame(table: KeyTable[Value], keys: list[str]) -> tuple[int, bytes]:
+def frame(table: Any, keys: list[str]) -> tuple[int, bytes]:
     return table.join_prefix(keys, b"<", b"|", b",", b">")
 
 
@@ -35,10 +48,13 @@ operations = st.lists(
 )
 
 
+@both
 @settings(max_examples=200)
 @given(operations, st.lists(st.integers(0, 40), max_size=12))
-def test_the_table_behaves_as_a_dict(ops: list[tuple[str, int]], probe: list[int]) -> None:
-    table: KeyTable[Value] = KeyTable()
+def test_the_table_behaves_as_a_dict(
+    impl: str, ops: list[tuple[str, int]], probe: list[int]
+) -> None:
+    table: Any = IMPLEMENTATIONS[impl][0]()
     model: dict[str, tuple[Value, bytes | None]] = {}
     for op, n in ops:
         k = key(n)
@@ -70,8 +86,9 @@ def test_the_table_behaves_as_a_dict(ops: list[tuple[str, int]], probe: list[int
         assert frame(table, keys) == (len(leading), b"<%d|%s>" % (len(leading), joined))
 
 
-def test_growth_and_removal_at_scale_keep_every_key() -> None:
-    table: KeyTable[int] = KeyTable()
+@both
+def test_growth_and_removal_at_scale_keep_every_key(impl: str) -> None:
+    table: Any = IMPLEMENTATIONS[impl][0]()
     keys = [key(n) for n in range(50_000)]
     for n, k in enumerate(keys):
         table.put(k, n, None)
@@ -84,8 +101,9 @@ def test_growth_and_removal_at_scale_keep_every_key() -> None:
     assert table.prefix(keys[1::2][:100]) == list(range(1, 200, 2))
 
 
-def test_prefixes_longer_than_a_probe_batch() -> None:
-    table: KeyTable[int] = KeyTable()
+@both
+def test_prefixes_longer_than_a_probe_batch(impl: str) -> None:
+    table: Any = IMPLEMENTATIONS[impl][0]()
     keys = [key(n) for n in range(300)]
     for n, k in enumerate(keys[:200]):
         table.put(k, n, b"%d" % n)
@@ -99,15 +117,16 @@ def test_prefixes_longer_than_a_probe_batch() -> None:
     "bad",
     ["AB" * 32, "g" * 64, "0" * 63, "0" * 65, "é" * 64, "0" * 63 + "\n", "", "\u0660" * 64],
 )
-def test_malformed_keys_are_refused_everywhere(bad: str) -> None:
-    table: KeyTable[int] = KeyTable()
+@both
+def test_malformed_keys_are_refused_everywhere(impl: str, bad: str) -> None:
+    table: Any = IMPLEMENTATIONS[impl][0]()
     table.put(key(0), 0, b"0")
     for call in (
         lambda: table.get(bad),
         lambda: table.put(bad, 1, None),
         lambda: table.pop(bad),
         lambda: table.prefix([bad]),
-        lambda: check_keys([key(0), bad]),
+        lambda: IMPLEMENTATIONS[impl][1]([key(0), bad]),
     ):
         with pytest.raises(ValueError, match="hex digits"):
             call()
@@ -115,12 +134,13 @@ def test_malformed_keys_are_refused_everywhere(bad: str) -> None:
     with pytest.raises(TypeError):
         table.get(b"00" * 32)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="block key 1"):
-        check_keys([key(0), 7])  # type: ignore[list-item]
-    check_keys([key(1), key(2)])
+        IMPLEMENTATIONS[impl][1]([key(0), 7])  # type: ignore[list-item]
+    IMPLEMENTATIONS[impl][1]([key(1), key(2)])
 
 
-def test_put_refuses_none_values_and_non_bytes_payloads() -> None:
-    table: KeyTable[object] = KeyTable()
+@both
+def test_put_refuses_none_values_and_non_bytes_payloads(impl: str) -> None:
+    table: Any = IMPLEMENTATIONS[impl][0]()
     with pytest.raises(ValueError, match="None"):
         table.put(key(0), None, None)
     with pytest.raises(TypeError, match="payload"):
@@ -128,8 +148,9 @@ def test_put_refuses_none_values_and_non_bytes_payloads() -> None:
     assert len(table) == 0
 
 
-def test_the_table_releases_its_values_and_takes_part_in_garbage_collection() -> None:
-    table: KeyTable[object] = KeyTable()
+@both
+def test_the_table_releases_its_values_and_takes_part_in_garbage_collection(impl: str) -> None:
+    table: Any = IMPLEMENTATIONS[impl][0]()
     value = Value(1)
     ref = weakref.ref(value)
     table.put(key(0), value, None)
@@ -142,7 +163,7 @@ def test_the_table_releases_its_values_and_takes_part_in_garbage_collection() ->
         pass
 
     cyclic = Holder()
-    inner: KeyTable[object] = KeyTable()
+    inner: Any = IMPLEMENTATIONS[impl][0]()
     inner.put(key(1), cyclic, None)
     cyclic.table = inner  # type: ignore[attr-defined]
     cycle_ref = weakref.ref(cyclic)
@@ -165,20 +186,54 @@ def test_the_table_releases_its_values_and_takes_part_in_garbage_collection() ->
         ("/:`@" * 2, False),  # the neighbours of the digit and letter ranges
     ],
 )
-def test_is_hex(text: str, expected: bool) -> None:
-    assert is_hex(text) is expected
+@both
+def test_is_hex(impl: str, text: str, expected: bool) -> None:
+    assert IMPLEMENTATIONS[impl][2](text) is expected
 
 
+@both
 @given(st.binary(min_size=32, max_size=32))
-def test_hex_decoding_agrees_with_bytes_fromhex(octets: bytes) -> None:
-    table: KeyTable[int] = KeyTable()
+def test_hex_decoding_agrees_with_bytes_fromhex(impl: str, octets: bytes) -> None:
+    table: Any = IMPLEMENTATIONS[impl][0]()
     table.put(octets.hex(), 1, None)
     assert table.prefix(octets) == [1]  # packed form: the same key
-    assert check_keys([octets.hex()]) is None
+    assert IMPLEMENTATIONS[impl][1]([octets.hex()]) is None
 
 
-def test_packed_keys_come_in_whole_keys() -> None:
-    table: KeyTable[int] = KeyTable()
+@both
+def test_packed_keys_come_in_whole_keys(impl: str) -> None:
+    table: Any = IMPLEMENTATIONS[impl][0]()
     with pytest.raises(ValueError, match="32 octets"):
         table.prefix(b"\0" * 31)
     assert table.prefix(b"") == []
+
+
+def test_without_the_compiled_modules_kvsp_still_indexes_and_verifies() -> None:
+    """As on a machine with no C compiler: both compiled modules missing, the fallbacks serve."""
+    probe = """
+import sys
+sys.modules["kvsp.index._keytable"] = None  # an import of it now fails
+sys.modules["kvsp.core._sha256"] = None
+import hashlib
+from kvsp.core import sha256
+from kvsp.core.clock import ManualClock
+from kvsp.index import keytable
+from kvsp.index.queries import decode_lookup
+from kvsp.index.state import IndexLimits, ReplicaTable
+from tests.index.factories import COMPAT, SCOPE_A, key, replica
+assert not keytable.COMPILED and not sha256.ACCELERATED
+table = ReplicaTable(ManualClock(), IndexLimits())
+table.publish_many([replica(0), replica(1)])
+body = ('{"scope_id": "%s", "compat_id": "%s", "block_keys": ["%s", "%s", "%s"]}'
+        % (SCOPE_A, COMPAT, key(0), key(1), key(2))).encode()
+query = decode_lookup(body)
+assert len(table.lookup(COMPAT, SCOPE_A, query.block_keys)) == 2
+matched, answer = table.answer(COMPAT, SCOPE_A, query.block_keys)
+assert matched == 2 and key(1).encode() in answer
+assert sha256.sha256_ranges(b"abc", [(0, 3)]) == [hashlib.sha256(b"abc").digest()]
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=False
+    )
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -6,7 +6,8 @@ waiting on the previous round; the compiled ``_sha256`` runs two streams side by
 container's digest and its layers' digests together cost about what one pass did. The octets
 of a block arrive over time: ``RangeHasher`` hashes what has arrived at each call, so most of
 the hashing is done by the time the last octet is in. On a CPU without the SHA extensions (or
-off x86-64) the same digests come from ``hashlib``.
+off x86-64), or where ``_sha256`` could not be built (no C compiler), the same digests come from
+``hashlib``.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from kvsp.core import _sha256
+try:
+    from kvsp.core import _sha256
+except ImportError:  # built without a C compiler
+    _sha256 = None  # type: ignore[assignment]
 
 __all__ = ["ACCELERATED", "RangeHasher", "sha256_ranges"]
 
 #: whether ``RangeHasher`` runs two lanes at a time on this CPU
-ACCELERATED: bool = _sha256.ACCELERATED
+ACCELERATED: bool = _sha256 is not None and _sha256.ACCELERATED
 
 Buffer = bytes | bytearray | memoryview
 

@@ -31,7 +31,7 @@ from kvsp.core.records import (
     TargetEstimate,
 )
 from kvsp.core.urls import canonical_url
-from kvsp.index._keytable import KeyTable
+from kvsp.index.keytable import KeyTable
 from kvsp.quotas import Quotas
 
 __all__ = [
