@@ -25,11 +25,11 @@ time is now, and an epoch of 10^30 would lock the real process out.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvsp.core.clock import Clock
+from kvsp.core.deadlines import Deadlines
 from kvsp.core.problems import (
     ConfigurationError,
     IllegalTransition,
@@ -92,7 +92,7 @@ class InstanceTable:
         self.clock = clock
         self.policy = policy or InstancePolicy()
         self._instances: dict[str, TrackedInstance] = {}
-        self._deadlines: list[tuple[int, str]] = []
+        self._deadlines: Deadlines[str] = Deadlines()
         #: failures noticed but not yet handed out by ``expire``
         self._failed: list[TrackedInstance] = []
 
@@ -154,7 +154,7 @@ class InstanceTable:
             self._move(known, state)
         else:
             self._instances[url] = entry
-        heapq.heappush(self._deadlines, (entry.expires_at, url))
+        self._deadlines.set(url, entry.expires_at)
         return state
 
     def _next_state(self, known: TrackedInstance, status: InstanceStatusRecord) -> InstanceState:
@@ -212,15 +212,8 @@ class InstanceTable:
         return failed
 
     def _notice_expired(self) -> None:
-        now = self.clock.now_ms()
-        failed = self._failed
-        deadlines = self._deadlines
-        while deadlines and deadlines[0][0] <= now:
-            at, url = heapq.heappop(deadlines)
+        for url in self._deadlines.due(self.clock.now_ms()):
             instance = self._instances.get(url)
-            if instance is not None and instance.expires_at == at and instance.state is not F:
+            if instance is not None and instance.state is not F:
                 self._move(instance, F)
-                failed.append(instance)
-        if len(deadlines) > 64 + 4 * len(self._instances):
-            self._deadlines = [(i.expires_at, u) for u, i in self._instances.items()]
-            heapq.heapify(self._deadlines)
+                self._failed.append(instance)

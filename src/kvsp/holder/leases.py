@@ -13,13 +13,13 @@ that holds it; another client's lease id answers 404 like an unknown one.
 
 from __future__ import annotations
 
-import heapq
 import secrets
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvsp.core.clock import Clock
+from kvsp.core.deadlines import Deadlines
 from kvsp.core.problems import ConfigurationError, LeaseQuotaExceeded, NotFound
 from kvsp.core.records import LeaseGrant
 from kvsp.holder.blocks import BlockId
@@ -47,7 +47,6 @@ class _Lease:
     scope: str
     blocks: tuple[BlockId, ...]
     octets: int
-    expires_at: int
 
 
 class LeaseTable:
@@ -56,7 +55,7 @@ class LeaseTable:
         self.limits = limits
         self.quotas = quotas or Quotas()
         self._leases: dict[str, _Lease] = {}
-        self._deadlines: list[tuple[int, str]] = []
+        self._deadlines: Deadlines[str] = Deadlines()
         self._pins: Counter[BlockId] = Counter()
         self._octets: Counter[str] = Counter()
         self._count: Counter[str] = Counter()
@@ -85,11 +84,9 @@ class LeaseTable:
         if self._count[scope] >= most:
             raise LeaseQuotaExceeded(f"scope {scope} is at its quota of {most} valid leases")
         lease_id = secrets.token_urlsafe(18)
-        lease = _Lease(
-            client, scope, tuple(b for b, _ in blocks), octets, self.clock.now_ms() + ttl_ms
-        )
+        lease = _Lease(client, scope, tuple(b for b, _ in blocks), octets)
         self._leases[lease_id] = lease
-        heapq.heappush(self._deadlines, (lease.expires_at, lease_id))
+        self._deadlines.set(lease_id, self.clock.now_ms() + ttl_ms)
         self._pins.update(lease.blocks)
         self._octets[scope] += octets
         self._count[scope] += 1
@@ -105,8 +102,7 @@ class LeaseTable:
     def renew(self, client: str, lease_id: str, ttl_ms: int) -> LeaseGrant:
         lease = self._own(client, lease_id)
         self._check_ttl(lease.scope, ttl_ms)
-        lease.expires_at = self.clock.now_ms() + ttl_ms
-        heapq.heappush(self._deadlines, (lease.expires_at, lease_id))
+        self._deadlines.set(lease_id, self.clock.now_ms() + ttl_ms)
         return LeaseGrant(lease=lease_id, ttl_ms=ttl_ms)
 
     def release(self, client: str, lease_id: str) -> None:
@@ -114,6 +110,7 @@ class LeaseTable:
 
     def _end(self, lease_id: str, lease: _Lease) -> None:
         del self._leases[lease_id]
+        self._deadlines.discard(lease_id)
         self._pins.subtract(lease.blocks)
         for block in lease.blocks:
             if self._pins[block] <= 0:
@@ -125,19 +122,10 @@ class LeaseTable:
 
     def expire(self) -> int:
         """End every lease whose TTL has passed; returns how many."""
-        now = self.clock.now_ms()
-        deadlines = self._deadlines
-        ended = 0
-        while deadlines and deadlines[0][0] <= now:
-            at, lease_id = heapq.heappop(deadlines)
-            lease = self._leases.get(lease_id)
-            if lease is not None and lease.expires_at == at:
-                self._end(lease_id, lease)
-                ended += 1
-        if len(deadlines) > 64 + 2 * len(self._leases):  # renewals leave stale deadlines
-            self._deadlines = [(lease.expires_at, i) for i, lease in self._leases.items()]
-            heapq.heapify(self._deadlines)
-        return ended
+        due = self._deadlines.due(self.clock.now_ms())
+        for lease_id in due:
+            self._end(lease_id, self._leases[lease_id])
+        return len(due)
 
     # -- the store's view ------------------------------------------------------------------------
 

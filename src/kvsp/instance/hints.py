@@ -17,12 +17,12 @@ Semantics (all bounded, nothing a hint says can pin memory without bound or bloc
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvsp.core.clock import Clock
+from kvsp.core.deadlines import Deadlines
 from kvsp.core.hints import HintAction, HintOutcome, HintPayload, Outcome, Reason
 from kvsp.core.problems import CapacityExhausted
 from kvsp.holder.blocks import BlockId
@@ -74,7 +74,8 @@ class PinTable:
             else limits.pin_total_bytes // max(1, tenants)
         )
         self._pins: dict[BlockId, _Pin] = {}
-        self._ends: list[tuple[int, BlockId, str]] = []
+        #: when each owner's pin of each block ends
+        self._ends: Deadlines[tuple[BlockId, str]] = Deadlines()
         self._octets: Counter[str] = Counter()
         self._scopes: Counter[str] = Counter()
 
@@ -103,19 +104,14 @@ class PinTable:
 
     def expire(self) -> list[BlockId]:
         """Let go of every pin past its deadline; the blocks no longer pinned at all."""
-        now = self.clock.now_ms()
-        gone = []
-        while self._ends and self._ends[0][0] <= now:
-            at, block, owner = heapq.heappop(self._ends)
-            pin = self._pins.get(block)
-            if pin is not None and pin.owners.get(owner) == at and self._let_go(block, owner):
-                gone.append(block)
-        return gone
+        ended = self._ends.due(self.clock.now_ms())
+        return [block for block, owner in ended if self._let_go(block, owner)]
 
     def _let_go(self, block: BlockId, owner: str) -> bool:
         """``owner`` no longer pins ``block``; True if nobody does any more."""
         pin = self._pins[block]
         del pin.owners[owner]
+        self._ends.discard((block, owner))
         if pin.charged == owner:
             self._charge(owner, -pin.octets)
             if pin.owners:
@@ -162,7 +158,7 @@ class PinTable:
                 total += octets
             if until_ms > pin.owners.get(owner, 0):
                 pin.owners[owner] = until_ms
-                heapq.heappush(self._ends, (until_ms, block, owner))
+                self._ends.set((block, owner), until_ms)
             done.append(block)
         return done
 
