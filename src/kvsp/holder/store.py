@@ -46,6 +46,7 @@ from typing import Protocol
 
 from kvsp.core.clock import Clock
 from kvsp.core.container import Container, ContainerHeader
+from kvsp.core.deadlines import Deadlines
 from kvsp.core.problems import (
     AlreadyStored,
     CapacityExhausted,
@@ -231,8 +232,9 @@ class BlockStore:
         #: per tier and scope: (priority, tick, block) in eviction order; stale entries are
         #: skipped
         self._order: dict[Tier, dict[str, list[tuple[int, int, BlockId]]]] = {n: {} for n in names}
-        self._priority_ends: list[tuple[int, BlockId]] = []
-        self._refresh: list[tuple[int, BlockId]] = []
+        #: when raised priorities end, and when records are due to be published again
+        self._priority_ends: Deadlines[BlockId] = Deadlines()
+        self._refresh: Deadlines[BlockId] = Deadlines()
         self._effects: list[Effect] = []
         self._residencies: dict[tuple[Tier, Span], Residency] = {}
         #: octets of the largest block ever held (bounds what a leased block can occupy)
@@ -455,7 +457,7 @@ class BlockStore:
         if entry is None:
             raise NotFound(f"{block_ref(block)} is not held here")
         entry.priority, entry.priority_until = priority, until_ms
-        heapq.heappush(self._priority_ends, (until_ms, block))
+        self._priority_ends.set(block, until_ms)
         for tier in entry.spans:
             self._push(tier, block, entry)
 
@@ -463,12 +465,9 @@ class BlockStore:
         return entry.priority if entry.priority_until > self.clock.now_ms() else 0
 
     def _expire_priorities(self) -> None:
-        now = self.clock.now_ms()
-        ends = self._priority_ends
-        while ends and ends[0][0] <= now:
-            _, block = heapq.heappop(ends)
+        for block in self._priority_ends.due(self.clock.now_ms()):
             entry = self._blocks.get(block)
-            if entry is not None and entry.priority and entry.priority_until <= now:
+            if entry is not None and entry.priority:
                 entry.priority = 0
                 for tier in entry.spans:
                     self._push(tier, block, entry)
@@ -749,6 +748,8 @@ class BlockStore:
         self._free(block, entry)
         del self._blocks[block]
         del self._by_key[block[2]]
+        self._refresh.discard(block)
+        self._priority_ends.discard(block)
 
     def _free(self, block: BlockId, entry: _Block) -> None:
         for tier, span in entry.spans.items():
@@ -786,19 +787,16 @@ class BlockStore:
     def _published(self, block: BlockId, entry: _Block) -> ReplicaRecord:
         record = self._record(block, entry)
         entry.published_at = self.clock.now_ms()
-        heapq.heappush(self._refresh, (entry.published_at + self.refresh_after_ms, block))
+        self._refresh.set(block, entry.published_at + self.refresh_after_ms)
         self._effects.append(Publish(record))
         return record
 
     def refresh_due(self) -> int:
         """Republish every record past half its TTL; returns how many."""
-        now = self.clock.now_ms()
-        due = self._refresh
         count = 0
-        while due and due[0][0] <= now:
-            at, block = heapq.heappop(due)
+        for block in self._refresh.due(self.clock.now_ms()):
             entry = self._blocks.get(block)
-            if entry is not None and entry.published_at + self.refresh_after_ms == at:
+            if entry is not None:
                 self._published(block, entry)
                 count += 1
         return count
@@ -809,14 +807,9 @@ class BlockStore:
         after = max(1, ttl_ms // 2)
         if after >= self.refresh_after_ms:
             return
-        before, self.refresh_after_ms = self.refresh_after_ms, after
-        due = [
-            (entry.published_at + after, block)
-            for at, block in self._refresh
-            if (entry := self._blocks.get(block)) is not None and entry.published_at + before == at
-        ]
-        heapq.heapify(due)
-        self._refresh = due
+        self.refresh_after_ms = after
+        for block, entry in self._blocks.items():
+            self._refresh.set(block, entry.published_at + after)
 
     def volatile(self) -> list[BlockId]:
         """Blocks with no copy on disk: a holder that stops no longer has them."""
