@@ -202,7 +202,7 @@ def create_app(
         return json_response(b'{"status":"ok"}')
 
     async def metrics(_: Request) -> Response:
-        return Response(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     base = "/kvsp/"
     pc = (Role.CONTROLLER,)
@@ -249,5 +249,5 @@ def create_app(
         routes=routes_of(base, "kvsp Placement Controller", ops, principals),
         lifespan=lifespan_of(service.start, close),
     )
-    install_problem_handlers(app, log, lambda slug: service.rejected.labels(slug).inc())
+    install_problem_handlers(app, log, lambda slug: service.metrics.rejected.labels(slug).inc())
     return app

@@ -19,8 +19,6 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, get_args
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-
 from kvsp.auth import Principal, Role, authorize
 from kvsp.controller.client import InstanceClient
 from kvsp.controller.forwarding import StatusForwarder
@@ -32,6 +30,7 @@ from kvsp.controller.hints import (
     SessionHintTable,
 )
 from kvsp.controller.instances import InstancePolicy, InstanceTable
+from kvsp.controller.metrics import ControllerMetrics
 from kvsp.controller.placement import (
     Decision,
     Outcome,
@@ -178,51 +177,9 @@ class ControllerService:
         #: the last placement costs per instance, for ``GET instances``
         self.last_costs: dict[str, dict[str, Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.placements = Counter(
-            "kvsp_controller_placements", "Placement decisions, by outcome", ["outcome"], registry=r
-        )
-        self.predicted_ttft = Histogram(
-            "kvsp_controller_predicted_ttft_seconds",
-            "cost(i) of the chosen instance: predicted time to first token",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=r,
-        )
-        self.measured_ttft = Histogram(
-            "kvsp_controller_measured_ttft_seconds",
-            "Time to first token reported for placed requests",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=r,
-        )
-        self.ttft_ratio = Histogram(
-            "kvsp_controller_ttft_measured_over_predicted",
-            "Measured TTFT / predicted cost(i), per reported decision",
-            buckets=(0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2, 4, 8),
-            registry=r,
-        )
+        self.metrics = ControllerMetrics()
         #: predicted cost of recent decisions, until their measured TTFT arrives
         self._predictions: OrderedDict[str, float] = OrderedDict()
-        self.failovers = Counter(
-            "kvsp_controller_failovers", "Sessions resumed elsewhere", ["result"], registry=r
-        )
-        self.reshard_results = Counter(
-            "kvsp_controller_reshards", "Reshards, by result", ["result"], registry=r
-        )
-        self.prefetches = Counter(
-            "kvsp_controller_prefetches", "Prefetch directives, by final state", ["state"],
-            registry=r,
-        )  # fmt: skip
-        self.hint_outcomes = Counter(
-            "kvsp_controller_hints", "KvHint actions sent, by action and outcome",
-            ["action", "outcome"], registry=r,
-        )  # fmt: skip
-        self.rejected = Counter(
-            "kvsp_controller_rejected_requests",
-            "Requests answered with a problem",
-            ["type"],
-            registry=r,
-        )
 
     # -- running -------------------------------------------------------------------------------
 
@@ -396,10 +353,10 @@ class ControllerService:
         lookup = await self._lookup(request, [s.instance for s in active + sleeping])
         decision = place(request, lookup, active, sleeping, self.config.placement)
         decision = await self._act_on(decision, request, lookup)
-        self.placements.labels(decision.outcome.value).inc()
+        self.metrics.placements.labels(decision.outcome.value).inc()
         chosen = decision.chosen
         if chosen is not None:
-            self.predicted_ttft.observe(chosen.cost_us / 1e6)
+            self.metrics.predicted_ttft.observe(chosen.cost_us / 1e6)
             for c in decision.candidates:
                 self.last_costs[canonical_url(c.instance)] = {
                     "cost_us": round(c.cost_us, 1),
@@ -536,7 +493,7 @@ class ControllerService:
                 outcome = unanswered.to_json()
             said = outcome.get("outcome")
             known = said if said in get_args(HintResult) else "invalid"
-            self.hint_outcomes.labels(hint.action_type, known).inc()
+            self.metrics.hint_outcomes.labels(hint.action_type, known).inc()
             if table is not None and entry is not None:
                 table.outcome(entry, hint, outcome)
             outcomes.append({"instance": hint.instance, **outcome})
@@ -548,9 +505,9 @@ class ControllerService:
         predicted = self._predictions.pop(decision_id, None)
         if predicted is None:
             raise NotFound(f"no recent decision {decision_id} waits for its TTFT")
-        self.measured_ttft.observe(ttft_us / 1e6)
+        self.metrics.measured_ttft.observe(ttft_us / 1e6)
         if predicted > 0:
-            self.ttft_ratio.observe(ttft_us / predicted)
+            self.metrics.ttft_ratio.observe(ttft_us / predicted)
         return predicted
 
     async def _act_on(
@@ -592,7 +549,7 @@ class ControllerService:
             location = await self.peers.prefetch(instance, directive)
         except KvspError as exc:
             log.warning("prefetch to %s failed: %s", instance, exc.detail)
-            self.prefetches.labels("unsent").inc()
+            self.metrics.prefetches.labels("unsent").inc()
             return placement
         state = PrefetchState.PENDING.value
         loaded: tuple[str, ...] = ()
@@ -607,7 +564,7 @@ class ControllerService:
                 if status.state is not PrefetchState.PENDING or self.clock.now_ms() >= deadline:
                     break
                 await asyncio.sleep(0.01)
-            self.prefetches.labels(state).inc()
+            self.metrics.prefetches.labels(state).inc()
         return dataclasses.replace(
             placement, directive=directive.directive, prefetch_state=state, loaded=tuple(loaded)
         )
@@ -653,17 +610,17 @@ class ControllerService:
             if entry.checkpoint.sampler.deterministic:  # another engine may alter its output
                 log.error("session %s: no instance with engine %s", session, entry.engine)
             log.error("session %s: no instance to resume on (%s)", session, decision.reason)
-            self.failovers.labels("no-instance").inc()
+            self.metrics.failovers.labels("no-instance").inc()
             return
         resumed = entry.checkpoint.model_copy(update={"epoch": entry.epoch + 1})
         try:
             await self.peers.resume(decision.instance, resumed, entry.max_tokens)
         except KvspError as exc:
             log.error("session %s: resume at %s failed: %s", session, decision.instance, exc)
-            self.failovers.labels("failed").inc()
+            self.metrics.failovers.labels("failed").inc()
             return
         self.sessions.move(session, decision.instance)
-        self.failovers.labels("resumed").inc()
+        self.metrics.failovers.labels("resumed").inc()
         log.info("session %s resumed at %s, epoch %d", session, decision.instance, entry.epoch)
 
     # -- resharding ----------------------------------------------------------------------------
@@ -716,7 +673,7 @@ class ControllerService:
             if result.commit
             else ReshardAbort(map=result.map, abort=result.version)
         )
-        self.reshard_results.labels("committed" if result.commit else "aborted").inc()
+        self.metrics.reshard_results.labels("committed" if result.commit else "aborted").inc()
         for member in result.members:
             try:
                 await self.peers.reshard(member, message)
