@@ -727,8 +727,7 @@ class BlockStore:
     def _fault(self, block: BlockId, entry: _Block) -> None:
         """KVSP 6.6: a holder that must evict leased data due to a fault first withdraws it.
         The block leaves every query now; its octets go once the withdrawal is delivered."""
-        del self._blocks[block]
-        del self._by_key[block[2]]
+        self._unlist(block)
         self._faulted[block] = entry
         self._effects.append(Withdraw(self._ref(block), then_forget=True))
 
@@ -746,6 +745,10 @@ class BlockStore:
 
     def _forget(self, block: BlockId, entry: _Block) -> None:
         self._free(block, entry)
+        self._unlist(block)
+
+    def _unlist(self, block: BlockId) -> None:
+        """``block`` leaves every query and schedule (its octets are ``_free``'s business)."""
         del self._blocks[block]
         del self._by_key[block[2]]
         self._refresh.discard(block)

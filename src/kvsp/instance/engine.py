@@ -11,6 +11,7 @@ adapter runs one engine on one worker thread so the event loop never waits on a 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ class Engine:
         eos = self.tokenizer.eos_token_id
         self.stop_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
 
-    @property
+    @functools.cached_property
     def identity(self) -> str:
         """What decides this engine's output bits from a given state: kvsp (its sampler), the
         libraries, the device, the element type and the threads torch splits work over (a

@@ -396,6 +396,7 @@ class InstanceService:
         begun = sum(s.begun for s in live)
         return len(live) - begun, begun
 
+    @functools.cached_property
     def engine_identity(self) -> str:
         """What decides this instance's output bits (``Engine.identity``)."""
         return self.engine.identity
@@ -420,7 +421,7 @@ class InstanceService:
                 "links": links,
                 "ttl_ms": self.config.status_ttl_ms,
                 "requested_state": InstanceState.SLEEPING if self._wants_sleep() else None,
-                "engine": self.engine_identity(),
+                "engine": self.engine_identity,
             }
         )
 

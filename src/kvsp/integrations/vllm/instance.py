@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -225,6 +226,7 @@ class VllmInstanceService(InstanceService):
         self.driver = _Driver(self.vllm)
         return None
 
+    @functools.cached_property
     def engine_identity(self) -> str:
         """vLLM's build, its torch and device, and how the engine was configured (page size,
         element type, eager mode): what decides its output bits."""
