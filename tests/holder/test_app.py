@@ -183,6 +183,7 @@ async def test_bad_puts_are_problems_and_store_nothing(
         ("layers=1-2&layers=1-2", 400),
         ("codec=7", 400),
         ("codec=abc", 400),
+        ("codec=%C2%B2", 400),  # a superscript two passes str.isdigit
         ("color=red", 400),
         ("layers=2-9", 404),
         ("layers=4-4", 404),

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -34,6 +35,7 @@ from kvsp.index.client import IndexClient
 from kvsp.index.service import IndexService
 from kvsp.index.state import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore
+from kvsp.instance.app import create_app as create_instance_app
 from kvsp.instance.service import InstanceConfig, InstanceService, Session, TokenEvent
 from kvsp.model import ModelFiles
 from kvsp.tenants import Tenants
@@ -287,3 +289,21 @@ async def test_a_prefetch_that_stalls_does_not_hold_up_the_requests_being_served
         finally:
             source.stop.set()
             await instance.close()
+
+
+@pytest.mark.parametrize(
+    "query",
+    ["events?wait_ms=%C2%B2", "events?after=%D9%A1", "events?limit=-1", "events?after=1e3",
+     "sessions/s1/tokens?from=%C2%B2", "sessions/s1/tokens?from=x"],
+)  # fmt: skip
+async def test_a_number_in_the_query_is_ascii_digits_or_a_400(
+    cluster: tuple[InstanceService, Controller], query: str
+) -> None:
+    """Superscripts and other scripts' digits pass ``str.isdigit``: they must not reach ``int``
+    (an internal error) nor be read as a number nobody wrote."""
+    instance, _ = cluster
+    app = create_instance_app(instance, Principals.development_mode())
+    async with serving(app) as base, httpx.AsyncClient() as http:
+        response = await http.get(base + query)
+    assert response.status_code == 400, response.text
+    assert response.json()["type"].endswith("#kvsp-invalid-input")

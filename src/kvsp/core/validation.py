@@ -6,6 +6,7 @@ names every offending member, whatever the input form (JSON text, octets or a de
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -13,9 +14,20 @@ from pydantic import BaseModel, ValidationError
 
 from kvsp.core.problems import InvalidInput
 
-__all__ = ["format_validation_error", "parse_model"]
+__all__ = ["decimal", "format_validation_error", "parse_model"]
 
 M = TypeVar("M", bound=BaseModel)
+
+_DECIMAL = re.compile(r"[0-9]{1,18}")
+
+
+def decimal(text: str) -> int | None:
+    """``text`` as a non-negative integer of 1 to 18 ASCII digits; None for anything else.
+
+    Every query parameter and numeric field is read through this: ``str.isdigit`` also accepts
+    superscripts and other scripts' digits, which ``int`` then refuses (an internal error) or
+    reads as a number the client never wrote."""
+    return int(text) if _DECIMAL.fullmatch(text) else None
 
 
 def format_validation_error(exc: ValidationError) -> str:

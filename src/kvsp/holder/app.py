@@ -26,6 +26,7 @@ from kvsp.core.ids import parse_block_key, parse_compat_id, parse_scope_id
 from kvsp.core.problems import InvalidInput, PreconditionRequired
 from kvsp.core.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord
 from kvsp.core.registries import BLOCK_MEDIA_TYPE, CODECS
+from kvsp.core.validation import decimal
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.service import HolderService
 from kvsp.web.openapi import ANYONE, HEALTH, METRICS_ROLES, Op, principal_of, routes_of
@@ -75,7 +76,7 @@ def parse_block_query(query: bytes) -> tuple[int, int] | None:
         raise InvalidInput("a block GET takes at most one layers=a-b and one codec=n")
     if "codec" in params:
         codec = params["codec"][0]
-        if not codec.isdigit() or int(codec) not in CODECS:
+        if decimal(codec) not in CODECS:
             raise InvalidInput(f"codec={codec} is not a registered codec number")
     if "layers" not in params:
         return None
@@ -128,9 +129,9 @@ def block_ops(
         if request.headers.get("if-none-match", "").strip() != "*":
             raise PreconditionRequired("storing a block needs If-None-Match: *")
         service.check_put(principal, block)  # scope and duplicates before any body octet
-        declared = request.headers.get("content-length", "")
+        declared = decimal(request.headers.get("content-length", ""))
         limit = service.config.max_block_octets
-        with inflight.reserve(min(int(declared), limit) if declared.isdigit() else limit):
+        with inflight.reserve(limit if declared is None else min(declared, limit)):
             body = await read_body(
                 request.scope, request.receive, limit, (BLOCK_MEDIA_TYPE,), service.check_header
             )

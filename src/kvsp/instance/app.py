@@ -36,6 +36,7 @@ from kvsp.core.records import (
     Uuid,
 )
 from kvsp.core.registries import BLOCK_MEDIA_TYPE
+from kvsp.core.validation import decimal
 from kvsp.holder.app import BLOCK_GET, block_ops
 from kvsp.instance.service import InstanceService, TokenEvent
 from kvsp.web.openapi import ANYONE, METRICS_ROLES, Op, obj, principal_of, routes_of
@@ -95,9 +96,10 @@ def _count(query: Mapping[str, str], name: str, default: int, most: int) -> int:
     raw = query.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or len(raw) > 19 or int(raw) > most:
+    value = decimal(raw)
+    if value is None or value > most:
         raise InvalidInput(f"{name} must be an integer from 0 to {most}")
-    return int(raw)
+    return value
 
 
 def create_app(service: InstanceService, principals: Principals) -> ExactRoutes:
@@ -128,8 +130,7 @@ def create_app(service: InstanceService, principals: Principals) -> ExactRoutes:
 
     async def tokens(request: Request) -> Response:
         principal = principal_of(request.scope)
-        start = request.query_params.get("from", "0")
-        first = int(start) if start.isdigit() else 0
+        first = _count(request.query_params, "from", 0, 1 << 62)
         events = service.stream(request.path_params["session"], first, principal)
         return StreamingResponse(_lines(events), media_type=NDJSON)
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Literal, cast
 from urllib.parse import urlencode, urlsplit
 
+from kvsp.core.validation import decimal
+
 __all__ = [
     "BodyTooLarge",
     "ChunkedDecoder",
@@ -80,9 +82,10 @@ class ResponseHead:
         if length is None:
             return "close", 0
         values = {v.strip() for v in length.split(",")}
-        if len(values) != 1 or not (value := values.pop()).isdigit() or len(value) > 18:
+        octets = decimal(values.pop()) if len(values) == 1 else None
+        if octets is None:
             raise ProtocolError(f"malformed Content-Length {length!r}")
-        return ("length", int(value)) if int(value) else ("none", 0)
+        return ("length", octets) if octets else ("none", 0)
 
 
 def parse_head(octets: bytes) -> ResponseHead:
@@ -93,7 +96,7 @@ def parse_head(octets: bytes) -> ResponseHead:
         version, code, *_ = status_line.split(" ", 2)
     except ValueError:
         raise ProtocolError("malformed status line") from None
-    if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not code.isdigit():
+    if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or decimal(code) is None:
         raise ProtocolError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
     headers: dict[str, str] = {}
     for line in lines:

@@ -1,0 +1,26 @@
+"""Numbers in query parameters and fields: ASCII digits only, whatever ``str.isdigit`` says."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvsp.core.validation import decimal
+
+
+@given(st.integers(0, 10**18 - 1))
+def test_every_non_negative_number_reads_back(number: int) -> None:
+    assert decimal(str(number)) == number
+
+
+@given(st.text())
+def test_anything_else_is_refused_rather_than_misread(text: str) -> None:
+    value = decimal(text)
+    if value is not None:
+        assert text.isascii() and text.isdigit() and len(text) <= 18
+        assert int(text) == value
+
+
+def test_digits_of_other_scripts_are_not_numbers() -> None:
+    for text in ["²", "١", "12³", "", " 1", "1 ", "+1", "-1", "1_000", "1" * 19]:
+        assert decimal(text) is None, text
