@@ -99,6 +99,7 @@ STATE_MODULES = [
     PACKAGE / "controller" / "reshard.py",
     PACKAGE / "instance" / "kvpool.py",
     PACKAGE / "instance" / "links.py",
+    PACKAGE / "instance" / "release.py",
     PACKAGE / "instance" / "sampling.py",
     PACKAGE / "instance" / "shards.py",
 ]

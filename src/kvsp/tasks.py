@@ -1,12 +1,13 @@
-"""Background tasks of services: stopped together, and waited for, when a service closes."""
+"""Background tasks of services: stopped together, and waited for, when a service closes; and
+the wake-up that lets a reader wait for news instead of polling for it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 
-__all__ = ["cancel_all"]
+__all__ = ["Wakeup", "cancel_all"]
 
 
 async def cancel_all(tasks: Iterable[asyncio.Task[None]]) -> None:
@@ -17,3 +18,41 @@ async def cancel_all(tasks: Iterable[asyncio.Task[None]]) -> None:
     for task in pending:
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+class Wakeup:
+    """Wakes whoever waits for news, when ``fire`` is called from the loop or any thread.
+
+    A reader checks for what it wants inside ``waiting()`` and then waits: news that comes
+    after the check wakes it (``fire`` sees the reader), and news before the check is seen by
+    the check itself, so nothing is missed and no one polls. With no reader waiting, ``fire``
+    costs a read of one counter."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event = asyncio.Event()
+        self._readers = 0
+
+    def fire(self) -> None:
+        if self._readers and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[Callable[[float], Awaitable[None]]]:
+        """Within the block, news from here on wakes the returned wait (at most a timeout)."""
+        self._loop = asyncio.get_running_loop()
+        event = self._event
+        self._readers += 1
+
+        async def wait(timeout_s: float) -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), max(timeout_s, 0.0))
+
+        try:
+            yield wait
+        finally:
+            self._readers -= 1

@@ -36,7 +36,8 @@ from kvsp.index.service import IndexService
 from kvsp.index.state import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore
 from kvsp.instance.app import create_app as create_instance_app
-from kvsp.instance.service import InstanceConfig, InstanceService, Session, TokenEvent
+from kvsp.instance.service import InstanceConfig, InstanceService
+from kvsp.instance.sessions import Session, TokenEvent
 from kvsp.model import ModelFiles
 from kvsp.tenants import Tenants
 from tests.servers import free_port, serving

@@ -38,7 +38,8 @@ from kvsp.core.records import (
 from kvsp.core.registries import BLOCK_MEDIA_TYPE
 from kvsp.core.validation import decimal
 from kvsp.holder.app import BLOCK_GET, block_ops
-from kvsp.instance.service import InstanceService, TokenEvent
+from kvsp.instance.service import InstanceService
+from kvsp.instance.sessions import TokenEvent
 from kvsp.web.openapi import ANYONE, METRICS_ROLES, Op, obj, principal_of, routes_of
 from kvsp.web.server import (
     ExactRoutes,

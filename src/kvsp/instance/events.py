@@ -17,6 +17,7 @@ the instance, whose epoch is in every answer: a new epoch means start again from
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,11 +43,15 @@ class EventLog:
         self.clock = clock
         self._events: deque[dict[str, Any]] = deque(maxlen=capacity)
         self.last = 0
+        #: called after each event is appended (a reader waiting for events is woken)
+        self.on_append: Callable[[], None] | None = None
 
     def append(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.last += 1
         event = {"seq": self.last, "kind": kind, "at_ms": self.clock.now_ms(), **fields}
         self._events.append(event)
+        if self.on_append is not None:
+            self.on_append()
         return event
 
     def after(self, seq: int, limit: int = 1000) -> EventPage:

@@ -29,7 +29,6 @@ prefetch go on while a forward pass runs.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -45,11 +44,9 @@ import numpy.typing as npt
 
 from kvsp.auth import Principal, Role, authorize
 from kvsp.core.clock import SystemClock
-from kvsp.core.container import Container
 from kvsp.core.hints import HintOutcome, KvHints
 from kvsp.core.ids import tenant_session
 from kvsp.core.problems import (
-    AlreadyStored,
     ConfigurationError,
     ContainerError,
     IllegalTransition,
@@ -64,10 +61,8 @@ from kvsp.core.problems import (
 from kvsp.core.records import (
     InstanceState,
     InstanceStatusRecord,
-    LookupRequest,
     PrefetchDirective,
     PrefetchStatus,
-    ReplicaRecord,
     ReshardAbort,
     ReshardCommit,
     ReshardPlan,
@@ -76,13 +71,12 @@ from kvsp.core.records import (
     split_prompt,
 )
 from kvsp.core.registries import Tier
-from kvsp.core.shared import ScopedChain, scope_runs
 from kvsp.core.urls import canonical_url
-from kvsp.holder.blocks import BlockId
-from kvsp.holder.client import HolderClient, fetchable
+from kvsp.holder.client import HolderClient
 from kvsp.holder.service import HolderConfig, HolderService
 from kvsp.holder.store import Protected, TierData
 from kvsp.index.client import IndexClient
+from kvsp.instance.controller_client import ControllerClient
 from kvsp.instance.engine import Engine, KvState
 from kvsp.instance.events import EventPage
 from kvsp.instance.fair import FairWorker
@@ -90,15 +84,17 @@ from kvsp.instance.hints import HintLimits, PinTable
 from kvsp.instance.kvpool import BlockRefs, KvPages
 from kvsp.instance.links import LinkEstimates
 from kvsp.instance.prefetch import Prefetcher
+from kvsp.instance.release import ReleaseGate
+from kvsp.instance.reuse import Reuse
 from kvsp.instance.sampling import next_token
 from kvsp.instance.session_kv import SessionKv
+from kvsp.instance.sessions import MOVED, Session, TokenEvent
 from kvsp.instance.shards import HeldRange, ShardHoldings
 from kvsp.model import ModelFiles, installed
-from kvsp.tasks import cancel_all
-from kvsp.tenants import Tenant, Tenants
-from kvsp.web.client import JsonClient
+from kvsp.tasks import Wakeup, cancel_all
+from kvsp.tenants import Tenants
 
-__all__ = ["InstanceConfig", "InstanceService", "Session", "TokenEvent"]
+__all__ = ["InstanceConfig", "InstanceService"]
 
 log = logging.getLogger("kvsp.instance")
 _UNKNOWN = -1  # the id of a prompt token whose KV was imported from a block
@@ -147,28 +143,6 @@ T = TypeVar("T")
 REGISTER_EVERY_S = 60.0
 #: whose turn the controller's own engine work (sequence shards) takes
 CONTROL_TURN = ""
-#: why a session of an epoch the controller marked failed stopped (it was resumed elsewhere)
-MOVED = "moved: the controller resumed this session elsewhere"
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    index: int
-    epoch: int
-    token: int
-
-
-class _ControllerClient(JsonClient):
-    peer = "controller"
-
-    async def put_status(self, status: InstanceStatusRecord) -> InstanceState:
-        body = status.model_dump_json(exclude_none=True).encode()
-        return InstanceState((await self._send("PUT", "status", body)).json()["state"])
-
-    async def checkpoint(self, checkpoint: SessionCheckpoint) -> int:
-        path = f"sessions/{checkpoint.session}/checkpoint"
-        response = await self._send("PUT", path, checkpoint.model_dump_json().encode())
-        return int(response.json()["acknowledged"])
 
 
 class _Timed:
@@ -186,84 +160,6 @@ class _Timed:
         finally:
             self.last_s = time.perf_counter() - started
             self.total_s += self.last_s
-
-
-@dataclass
-class Session:
-    """One session's request on this instance: its keys, tokens, reuse and state."""
-
-    session: str
-    tenant: Tenant
-    epoch: int
-    sampler: Sampler
-    max_tokens: int
-    prompt_blocks: tuple[str, ...]
-    prompt_tail: tuple[int, ...]
-    #: the tokens of the last prompt block when the prompt ends on a block boundary (a
-    #: checkpoint's extension member ``last_block``: what resuming it there recomputes)
-    last_block: tuple[int, ...] | None
-    #: keys of the blocks after the prompt blocks (tail + output), extended as tokens come; it
-    #: knows each block's scope (a shared prefix's first blocks are in a shared scope)
-    chain: ScopedChain
-    generated: list[int] = field(default_factory=list)
-    released: int = 0
-    acknowledged: int = 0
-    #: prompt tokens whose KV was reused, by where it came from (g1, g2, remote)
-    cached: dict[str, int] = field(default_factory=dict)
-    #: blocks this session uses (referenced until it ends), and its pending block stores
-    uses: list[BlockId] = field(default_factory=list)
-    stores: set[asyncio.Task[None]] = field(default_factory=set)
-    #: hints to execute once the request is done (sent by this controller), and their outcomes
-    hints: tuple[Principal, KvHints] | None = None
-    hint_outcomes: list[HintOutcome] = field(default_factory=list)
-    #: whether the engine has taken a step of it (before that it is queued: loading its
-    #: cache or waiting behind other sessions' steps)
-    begun: bool = False
-    done: bool = False
-    error: str | None = None
-    #: why generation was stopped early (read by the engine thread between steps)
-    cancelled: str | None = None
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def cancel(self, reason: str) -> None:
-        """Stop generating at the next step (the engine thread checks between steps)."""
-        if self.cancelled is None:
-            self.cancelled = reason
-
-    def key_of(self, index: int) -> str | None:
-        if index < len(self.prompt_blocks):
-            return self.prompt_blocks[index]
-        keys = self.chain.keys
-        offset = index - len(self.prompt_blocks)
-        return keys[offset].hex() if offset < len(keys) else None
-
-    def block_of(self, compat_id: str, index: int) -> BlockId | None:
-        """Block ``index`` of the session, in its scope; None while its tokens are not all in."""
-        key = self.key_of(index)
-        return None if key is None else (compat_id, self.chain.scope_of(index), key)
-
-    def checkpoint(self, compat_id: str) -> SessionCheckpoint:
-        n = len(self.generated)
-        return SessionCheckpoint(
-            session=self.session,
-            epoch=self.epoch,
-            compat_id=compat_id,
-            scope_id=self.tenant.scope_id,
-            prompt_blocks=self.prompt_blocks,
-            prompt_tail=self.prompt_tail,
-            generated=tuple(self.generated),
-            output_offset=n,
-            sampler=self.sampler.model_copy(update={"step": n}),
-            last_block=None if n or self.prompt_tail else self.last_block,
-        )
-
-    @property
-    def cached_tokens(self) -> int:
-        return sum(self.cached.values())
-
-    def notify(self) -> None:
-        self.changed.set()
-        self.changed = asyncio.Event()
 
 
 class InstanceService:
@@ -310,21 +206,38 @@ class InstanceService:
             config.events,
         )
         self.holder.observe = self.kv.observe
+        #: wakes the readers of ``events_after`` (events come from the loop and the store's
+        #: thread)
+        self._news = Wakeup()
+        self.kv.events.on_append = self._news.fire
         self.index = (
             None if config.index_url is None else IndexClient(config.index_url, config.token)
         )
         self.controller = (
             None
             if config.controller_url is None
-            else _ControllerClient(config.controller_url, config.token)
+            else ControllerClient(config.controller_url, config.token)
+        )
+        #: measured transfer rate (Mbit/s) and round trip (us) per holder fetched from
+        self.links = LinkEstimates()
+        self.reuse = Reuse(
+            self.url,
+            self.compat_id,
+            self.block_tokens,
+            self.holder,
+            self.peers,
+            self.index,
+            self.kv,
+            self.in_use,
+            self.links,
+            self.placement,
+            config.offload_url,
         )
         self.sessions: OrderedDict[str, Session] = OrderedDict()
         self.prefetcher = Prefetcher(
-            self.holder, self.peers, self.index, self._fetch, self.placement
+            self.holder, self.peers, self.index, self.reuse.fetch, self.placement
         )
         self.shards = ShardHoldings()
-        #: measured transfer rate (Mbit/s) and round trip (us) per holder fetched from
-        self.links = LinkEstimates()
         self.prefill_rate = 400.0
         self.decode_rate = 15.0
         #: the engine's one thread, shared fairly between tenants
@@ -474,131 +387,6 @@ class InstanceService:
             raise IllegalTransition("the controller can make an instance active or draining")
         return self.state
 
-    # -- blocks --------------------------------------------------------------------------------
-
-    def _use(self, session: Session, block: BlockId) -> None:
-        """``session`` uses ``block`` until it ends (called on the store's thread)."""
-        self.in_use.acquire([block])
-        session.uses.append(block)
-
-    async def _release(self, session: Session) -> None:
-        uses, session.uses = session.uses, []
-        await self.holder.call(lambda: self.in_use.release(uses))
-
-    async def _hold(self, session: Session, block: BlockId, body: bytes) -> None:
-        """Hold a block in the pool, used by ``session``; with no room left (every block in
-        use) it is not held, which only costs a later recompute."""
-        key = block[2]
-        try:
-            await self.holder.store_block(
-                block, body, self.placement, lambda b: self._use(session, b)
-            )
-        except AlreadyStored:
-            pass
-        except KvspError as exc:
-            log.warning("block %s not held: %s", key[:16], exc.detail)
-
-    async def _store(self, session: Session, index: int, body: bytes) -> None:
-        """Hold a completed block here and copy it to the offload holder."""
-        block = session.block_of(self.compat_id, index)
-        if block is None:
-            return
-        key = block[2]
-        await self._hold(session, block, body)
-        if self.config.offload_url is not None:
-            try:
-                await self.peers.put(self.config.offload_url, block, Container.parse(body))
-            except AlreadyStored:
-                pass
-            except KvspError as exc:
-                log.warning("offload of %s failed: %s", key[:16], exc.detail)
-
-    async def _fetch(self, record: ReplicaRecord) -> Container:
-        """A verified block from another holder; the link to it is measured on the way (the
-        rate of the transfer, and a round trip measured once per holder)."""
-        holder = canonical_url(record.holder)
-        if not self.links.knows(holder):
-            with contextlib.suppress(KvspError):
-                self.links.round_trip(holder, await self.peers.round_trip_us(holder))
-        start = time.perf_counter()
-        container = await self.peers.get(record)
-        self.links.transfer(holder, container.size, time.perf_counter() - start)
-        block = (record.compat_id, record.scope_id, record.block_key)
-        self.kv.transfer(block, holder, self.url, container.size)
-        return container
-
-    async def _load(self, session: Session, keys: Sequence[str]) -> list[Container]:
-        """The longest prefix of ``keys`` (the session's first blocks) held here (G1, G2) or,
-        through the IS, elsewhere; the session uses every block loaded, and counts where its
-        tokens came from."""
-        b = self.block_tokens
-        blocks = [(self.compat_id, session.chain.scope_of(i), k) for i, k in enumerate(keys)]
-
-        def read_local() -> list[Container]:
-            store = self.holder.store
-            found = []
-            for block in blocks:
-                if block not in store:
-                    break
-                read = store.get(block)
-                found.append(read.container())
-                # a block whose first layers are in G1 is a G1 hit: its later layers load
-                # while the first ones compute
-                tier = "g1" if "device" in store.spans(block) else "g2"
-                session.cached[tier] = session.cached.get(tier, 0) + b
-                self._use(session, block)
-            return found
-
-        out = await self.holder.call(read_local)
-        rest = blocks[len(out) :]
-        runs = scope_runs(rest, session.chain.scope_of, len(out)) if self.index else []
-        for _, part in runs:  # one lookup per scope: a shared prefix's first
-            found = await self._load_remote(session, part)
-            out += found
-            if len(found) < len(part):
-                break
-        self.kv.reused(session.session, blocks[: len(out)])
-        return out
-
-    async def _load_remote(self, session: Session, rest: Sequence[BlockId]) -> list[Container]:
-        """The longest prefix of ``rest`` (blocks of one scope) found through the IS, verified
-        and then held here."""
-        assert self.index is not None
-        b = self.block_tokens
-        out: list[Container] = []
-        try:
-            answer = await self.index.lookup(
-                LookupRequest(
-                    scope_id=rest[0][1],
-                    compat_id=self.compat_id,
-                    block_keys=tuple(block[2] for block in rest),
-                )
-            )
-        except KvspError as exc:
-            log.warning("index lookup failed: %s", exc.detail)
-            return out
-        limit = asyncio.Semaphore(8)
-
-        async def one(records: Sequence[ReplicaRecord]) -> Container | None:
-            for record in fetchable(records):
-                if canonical_url(record.holder) == self.url:
-                    continue
-                try:
-                    async with limit:
-                        return await self._fetch(record)
-                except KvspError as exc:
-                    log.info("block from %s not loaded: %s", record.holder, exc.detail)
-            return None
-
-        fetched = await asyncio.gather(*(one(records) for records in answer.replicas))
-        for block, container in zip(rest, fetched, strict=False):
-            if container is None:
-                break
-            out.append(container)
-            session.cached["remote"] = session.cached.get("remote", 0) + b
-            await self._hold(session, block, container.tobytes())
-        return out
-
     # -- generation ----------------------------------------------------------------------------
 
     def _admit(self, session: Session) -> None:
@@ -607,6 +395,17 @@ class InstanceService:
         finished = [k for k, s in self.sessions.items() if s.done]
         for key in finished[: max(0, len(self.sessions) - self.config.max_sessions)]:
             del self.sessions[key]
+
+    def _gate(self, sampler: Sampler, offset: int) -> ReleaseGate:
+        """The release gate of a session with ``sampler``, resumed at ``offset`` (0: new)."""
+        checkpoints = self.controller is not None
+        return ReleaseGate.resumed(
+            checkpoints and not sampler.deterministic,
+            checkpoints,
+            offset,
+            release_batch=self.config.release_batch,
+            checkpoint_every=self.config.checkpoint_every,
+        )
 
     def _check_accepting(self) -> None:
         """A draining or sleeping instance takes no new session, resumed or not (KVSP 6.3)."""
@@ -654,6 +453,7 @@ class InstanceService:
             tail,
             last_block,
             chain,
+            self._gate(sampler, 0),
             hints=None if kv_hints is None else (principal, kv_hints),
         )
         await self._begin(session, tokens)
@@ -663,9 +463,9 @@ class InstanceService:
         """Load the longest prefix held anywhere, then compute the rest in the background."""
         b = self.block_tokens
         try:  # the last prompt token is computed: the first output token needs its logits
-            blocks = await self._load(session, session.prompt_blocks[: (len(tokens) - 1) // b])
+            blocks = await self.reuse.load(session, session.prompt_blocks[: (len(tokens) - 1) // b])
         except BaseException:
-            await self._release(session)
+            await self.reuse.release(session)
             raise
         state = (
             self.engine.state_from_blocks(blocks, tokens[: len(blocks) * b])
@@ -699,9 +499,8 @@ class InstanceService:
             checkpoint.prompt_tail,
             checkpoint.last_block,
             chain,
+            self._gate(checkpoint.sampler, checkpoint.output_offset),
             generated=list(checkpoint.generated),
-            released=checkpoint.output_offset,
-            acknowledged=checkpoint.output_offset,
         )
         await self._begin_resume(session, start, known)
         return session
@@ -714,11 +513,11 @@ class InstanceService:
         keys = list(session.prompt_blocks) + [k.hex() for k in session.chain.keys]
         covered_max = (start * b + len(known) - 1) // b
         try:
-            blocks = await self._load(session, keys[:covered_max])
+            blocks = await self.reuse.load(session, keys[:covered_max])
             if len(blocks) < start:
                 raise NotFound("the checkpoint's prompt blocks are not held anywhere reachable")
         except BaseException:
-            await self._release(session)
+            await self.reuse.release(session)
             raise
         ids = [_UNKNOWN] * (start * b) + list(known)
         state = self.engine.state_from_blocks(blocks, ids[: len(blocks) * b])
@@ -789,13 +588,13 @@ class InstanceService:
         """The request is over: its blocks stored, released, its hints run, a last checkpoint."""
         await asyncio.sleep(0)  # let the last events land
         await asyncio.gather(*session.stores, return_exceptions=True)
-        await self._release(session)
+        await self.reuse.release(session)
         if session.hints is not None:
             session.hint_outcomes = await self.kv.execute(
                 session.hints[0], self.compat_id, session.hints[1]
             )
         if session.cancelled != MOVED:  # a moved session's epoch is over at the controller
-            await self._checkpoint(session, final=True)
+            await self._checkpoint(session)
         # done only once the last checkpoint released what it covers: a reader woken meanwhile
         # (by another checkpoint's answer) must not take the session for over and stop short
         session.done = True
@@ -807,42 +606,28 @@ class InstanceService:
         if block is not None:
             parent = session.block_of(self.compat_id, index - 1) if index else None
             self.kv.completed(session.session, block, parent)
-        task = self._spawn(self._store(session, index, body))
+        task = self._spawn(self.reuse.store(session, index, body))
         session.stores.add(task)
         task.add_done_callback(session.stores.discard)
-        self._spawn(self._checkpoint(session))
+        if session.gate.on_block():
+            self._spawn(self._checkpoint(session))
 
     def _on_token(self, session: Session, token: int) -> None:
         """The session's next output token: released now, or once a checkpoint covers it."""
-        session.generated.append(token)
-        session.chain.extend([token])
-        n = len(session.generated)
-        if self.controller is None or session.sampler.deterministic:
-            session.released = n
-            if n % self.config.checkpoint_every == 0:
-                self._spawn(self._checkpoint(session))
-        elif n - session.acknowledged >= self.config.release_batch:
+        if session.add_token(token):
             self._spawn(self._checkpoint(session))
         session.notify()
 
-    async def _checkpoint(self, session: Session, final: bool = False) -> None:
+    async def _checkpoint(self, session: Session) -> None:
+        """Send the session's checkpoint; the gate releases what the answer acknowledges."""
         if self.controller is None:
-            session.released = len(session.generated)
             return
         try:
             acknowledged = await self.controller.checkpoint(session.checkpoint(self.compat_id))
         except KvspError as exc:
             log.warning("checkpoint of %s: %s", session.session, exc.detail)
             return
-        session.acknowledged = max(session.acknowledged, acknowledged)
-        if not session.sampler.deterministic:
-            session.released = max(
-                session.released, min(session.acknowledged, len(session.generated))
-            )
-        if final:  # never past what was generated, whatever the controller says
-            session.released = max(
-                session.released, min(session.acknowledged, len(session.generated))
-            )
+        session.gate.on_ack(acknowledged)
         session.notify()
 
     def stream(
@@ -866,16 +651,7 @@ class InstanceService:
                 yield TokenEvent(index, session.epoch, session.generated[index])
                 index += 1
             if session.done and index >= session.released:
-                yield {
-                    "done": True,
-                    "epoch": session.epoch,
-                    "cached_tokens": session.cached_tokens,
-                    "cached": session.cached,
-                    "kv_hints": [o.to_json() for o in session.hint_outcomes],
-                    "generated": len(session.generated),
-                    "error": session.error,
-                    "moved": session.cancelled == MOVED,
-                }
+                yield session.summary()
                 return
             await changed.wait()
 
@@ -897,13 +673,16 @@ class InstanceService:
         return await self.holder.call(lambda: self.kv.end(session))
 
     async def events_after(self, after: int, limit: int, wait_ms: int) -> EventPage:
-        """Events after ``after``; with none yet, wait up to ``wait_ms`` for the next ones."""
-        page = self.kv.events.after(after, limit)
+        """Events after ``after``; with none yet, wait up to ``wait_ms`` for the next ones
+        (woken by the next event, not polling)."""
         deadline = time.monotonic() + wait_ms / 1000
-        while not page.events and not page.missed and time.monotonic() < deadline:
-            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-            page = self.kv.events.after(after, limit)
-        return page
+        while True:
+            with self._news.waiting() as wait:
+                page = self.kv.events.after(after, limit)
+                left = deadline - time.monotonic()
+                if page.events or page.missed or left <= 0:
+                    return page
+                await wait(left)
 
     # -- prefetch (6.5) ------------------------------------------------------------------------
 

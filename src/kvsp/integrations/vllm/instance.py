@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 from kvsp.core.problems import NotFound, ServiceUnavailable
 from kvsp.core.records import Sampler
 from kvsp.holder.store import TierData
-from kvsp.instance.service import InstanceConfig, InstanceService, Session
+from kvsp.instance.service import InstanceConfig, InstanceService
+from kvsp.instance.sessions import Session
 from kvsp.integrations.vllm.engine import vllm_environment
 from kvsp.model import ModelBounds, ModelFiles
 
@@ -275,11 +276,11 @@ class VllmInstanceService(InstanceService):
         b = self.block_tokens
         prefix = session.prompt_blocks
         try:  # verified copies here first, so vLLM's loads cannot fail over the network
-            blocks = await self._load(session, prefix[:start])
+            blocks = await self.reuse.load(session, prefix[:start])
             if len(blocks) < start:
                 raise NotFound("the checkpoint's prompt blocks are not held anywhere reachable")
         except BaseException:
-            await self._release(session)
+            await self.reuse.release(session)
             raise
         session.cached = {}
         self._admit(session)
