@@ -44,8 +44,8 @@ from kvsp.auth import Principals
 from kvsp.core.clock import SystemClock
 from kvsp.core.records import LookupRequest, ReplicaRecord
 from kvsp.index.app import create_app
+from kvsp.index.rules import IndexLimits
 from kvsp.index.service import IndexService
-from kvsp.index.state import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore, RedisReplicaStore
 from kvsp.web.serving import uvicorn_config
 

@@ -31,8 +31,8 @@ from kvsp.core.ids import parse_compat_id
 from kvsp.core.keys import BlockKeyChain, scope_id
 from kvsp.core.records import InstanceStatusRecord, LookupRequest, LookupResponse, ReplicaRecord
 from kvsp.index.client import IndexClient
+from kvsp.index.rules import IndexLimits
 from kvsp.index.service import IndexService
-from kvsp.index.state import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore
 from kvsp.tenants import Tenants
 

@@ -319,8 +319,8 @@ def index_serve_command(
     """Run the Index Service on HOST:PORT under /kvsp/."""
     from kvsp.core.clock import SystemClock
     from kvsp.index.app import create_app
+    from kvsp.index.rules import IndexLimits
     from kvsp.index.service import IndexService
-    from kvsp.index.state import IndexLimits
     from kvsp.index.stores import open_store
 
     limits = IndexLimits(
@@ -547,8 +547,9 @@ def instance_serve_command(
     if engine not in ("transformers", "vllm"):
         _fail(f"--engine must be transformers or vllm, not {engine!r}")
     from kvsp.instance.app import create_app
+    from kvsp.instance.config import InstanceConfig
     from kvsp.instance.hints import HintLimits
-    from kvsp.instance.service import InstanceConfig, InstanceService
+    from kvsp.instance.service import InstanceService
     from kvsp.model import installed, system_prefix
     from kvsp.tenants import Tenants
 

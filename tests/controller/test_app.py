@@ -22,8 +22,8 @@ from kvsp.core.keys import block_keys
 from kvsp.core.records import ReplicaRecord
 from kvsp.index.app import create_app as create_index_app
 from kvsp.index.client import IndexClient
+from kvsp.index.rules import IndexLimits
 from kvsp.index.service import IndexService
-from kvsp.index.state import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore
 from kvsp.tenants import Tenants
 from tests.controller.factories import SESSION

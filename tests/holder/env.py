@@ -17,8 +17,8 @@ from kvsp.holder.leases import LeaseLimits
 from kvsp.holder.service import HolderConfig, HolderService
 from kvsp.index.app import create_app as create_index_app
 from kvsp.index.client import IndexClient
+from kvsp.index.rules import IndexLimits
 from kvsp.index.service import IndexService
-from kvsp.index.state import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore
 from tests.holder.factories import COMPAT, OTHER_SCOPE, SCOPE, block_id
 from tests.principals import principal

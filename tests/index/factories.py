@@ -23,6 +23,10 @@ def key(n: int) -> str:
     return hashlib.sha256(b"block %d" % n).hexdigest()
 
 
+def keys(*ns: int) -> list[str]:
+    return [key(n) for n in ns]
+
+
 def replica(
     n: int, holder: str = H1, scope: str = SCOPE_A, ttl_ms: int = 60_000, **changes: Any
 ) -> ReplicaRecord:

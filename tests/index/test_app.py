@@ -16,8 +16,8 @@ from kvsp.core.problems import Forbidden, NotFound, RecordError, Unauthenticated
 from kvsp.core.records import LookupRequest, ReplicaRef
 from kvsp.index.app import MAX_BATCH_ENTRIES, create_app
 from kvsp.index.client import IndexClient
+from kvsp.index.rules import IndexLimits
 from kvsp.index.service import IndexService
-from kvsp.index.state import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore
 from tests.core.test_golden_vectors import DESCRIPTOR
 from tests.index.factories import (

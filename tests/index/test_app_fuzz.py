@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from kvsp.auth import Principals
 from kvsp.core.clock import ManualClock
 from kvsp.index.app import create_app
+from kvsp.index.rules import IndexLimits
 from kvsp.index.service import IndexService
-from kvsp.index.state import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore
 from tests.index.factories import COMPAT, SCOPE_A, key, replica
 

@@ -219,7 +219,8 @@ from kvsp.core import sha256
 from kvsp.core.clock import ManualClock
 from kvsp.index import keytable
 from kvsp.index.queries import decode_lookup
-from kvsp.index.state import IndexLimits, ReplicaTable
+from kvsp.index.replicas import ReplicaTable
+from kvsp.index.rules import IndexLimits
 from tests.index.factories import COMPAT, SCOPE_A, key, replica
 assert not keytable.COMPILED and not sha256.ACCELERATED
 table = ReplicaTable(ManualClock(), IndexLimits())

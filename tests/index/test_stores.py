@@ -11,10 +11,24 @@ import pytest
 
 from kvsp.core.clock import SystemClock
 from kvsp.core.problems import CapacityExhausted, ServiceUnavailable, StaleEpoch
-from kvsp.index.state import IndexLimits, answer_json
+from kvsp.index.replicas import arrays_of
+from kvsp.index.rules import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore, RedisReplicaStore, ReplicaStore, open_store
+from kvsp.index.wire import answer_json
 from kvsp.quotas import Quota, Quotas
-from tests.index.factories import COMPAT, H1, H2, I1, SCOPE_A, SCOPE_B, key, ref, replica, status
+from tests.index.factories import (
+    COMPAT,
+    H1,
+    H2,
+    I1,
+    SCOPE_A,
+    SCOPE_B,
+    key,
+    keys,
+    ref,
+    replica,
+    status,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -40,10 +54,6 @@ async def store(request: pytest.FixtureRequest, redis_url: str) -> AsyncIterator
     await made.close()
 
 
-def keys(*ns: int) -> list[str]:
-    return [key(n) for n in ns]
-
-
 async def test_prefix_lookup(store: ReplicaStore) -> None:
     await store.publish([replica(0), replica(1), replica(3), replica(0, holder=H2)])
     result = await store.lookup(COMPAT, SCOPE_A, keys(0, 1, 2, 3), [])
@@ -61,7 +71,9 @@ async def test_the_answer_is_the_lookup_rendered(store: ReplicaStore) -> None:
     asked = keys(0, 1, 2, 4)
     matched, answer = await store.answer(COMPAT, SCOPE_A, asked)
     assert matched == 2
-    assert answer == answer_json((await store.lookup(COMPAT, SCOPE_A, asked, [])).matched)
+    assert answer == answer_json(
+        arrays_of((await store.lookup(COMPAT, SCOPE_A, asked, [])).matched)
+    )
     doc = json.loads(answer)
     assert doc["matched"] == 2
     assert [sorted(r["holder"] for r in rs) for rs in doc["replicas"]] == [[H1, H2], [H1]]

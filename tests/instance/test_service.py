@@ -32,11 +32,12 @@ from kvsp.core.records import (
 )
 from kvsp.index.app import create_app as create_index_app
 from kvsp.index.client import IndexClient
+from kvsp.index.rules import IndexLimits
 from kvsp.index.service import IndexService
-from kvsp.index.state import IndexLimits
 from kvsp.index.stores import MemoryReplicaStore
 from kvsp.instance.app import create_app as create_instance_app
-from kvsp.instance.service import InstanceConfig, InstanceService
+from kvsp.instance.config import InstanceConfig
+from kvsp.instance.service import InstanceService
 from kvsp.instance.sessions import Session, TokenEvent
 from kvsp.model import ModelFiles
 from kvsp.tenants import Tenants

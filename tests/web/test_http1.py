@@ -17,15 +17,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from kvsp.web.http1 import (
-    BodyTooLarge,
-    ChunkedDecoder,
-    Http1Client,
-    ProtocolError,
-    ResponseHead,
-    parse_head,
-)
-from tests.servers import serving
+from kvsp.core.problems import InvalidInput, PeerTimeout, PeerUnreachable
+from kvsp.core.problems import PeerAnswerTooLarge as BodyTooLarge
+from kvsp.core.problems import PeerProtocolError as ProtocolError
+from kvsp.web.http1 import ChunkedDecoder, Http1Client, ResponseHead, parse_head
+from tests.servers import free_port, serving
 
 # -- pure parts ------------------------------------------------------------------------------------
 
@@ -366,7 +362,7 @@ async def test_a_silent_peer_times_out_and_a_malformed_answer_is_a_protocol_erro
     server = Canned(silent)
     async with server.running() as url:
         client = Http1Client()
-        with pytest.raises(TimeoutError):
+        with pytest.raises(PeerTimeout):
             async with client.request("GET", url, timeout_s=0.2):
                 pass
         await client.aclose()
@@ -438,10 +434,10 @@ async def test_nothing_can_split_a_request_line_or_field() -> None:
         ("http://127.0.0.1:1/", {"x-a": "1\r\nx-b: 2"}),
         ("ftp://127.0.0.1/", {}),
     ):
-        with pytest.raises(ValueError, match=r"control|not an http"):
+        with pytest.raises(InvalidInput, match=r"control|not an http"):
             async with client.request("GET", url, headers=headers):
                 pass
-    with pytest.raises(ValueError, match="control"):
+    with pytest.raises(InvalidInput, match="control"):
         Http1Client(headers={"authorization": "Bearer a\nb"})
 
 
@@ -459,3 +455,12 @@ async def test_the_host_field_never_carries_userinfo_from_the_url() -> None:
     host = url.removeprefix("http://").rstrip("/")
     assert f"host: {host}\r\n".encode() in sent
     assert b"secret" not in sent
+
+
+@pytest.mark.anyio
+async def test_a_refused_connection_is_peer_unreachable() -> None:
+    """Every transport failure is in the error tree: nothing built-in escapes the client."""
+    client = Http1Client()
+    with pytest.raises(PeerUnreachable, match="no connection"):
+        async with client.request("GET", f"http://127.0.0.1:{free_port()}/"):
+            pass

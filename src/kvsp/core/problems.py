@@ -38,6 +38,11 @@ status it maps to, so a server never has to invent a status or string-match a me
      +-- HeaderFieldsTooLarge               431 kvsp-header-fields-too-large
      +-- LeaseQuotaExceeded                 429 kvsp-lease-quota
      +-- ServiceUnavailable                 503 kvsp-unavailable  (a backing store is down)
+     |    +-- PeerError                         a peer failed us (the transport branch)
+     |         +-- PeerUnreachable              no connection (refused, reset, no route)
+     |         +-- PeerTimeout                  no complete answer within the time allowed
+     |         +-- PeerProtocolError            an answer that breaks HTTP/1.1, or broke off
+     |              +-- PeerAnswerTooLarge      a body above what the caller may receive
      +-- CapacityExhausted                  507 kvsp-capacity
 """
 
@@ -71,6 +76,11 @@ __all__ = [
     "NotAccepting",
     "NotFound",
     "PayloadTooLarge",
+    "PeerAnswerTooLarge",
+    "PeerError",
+    "PeerProtocolError",
+    "PeerTimeout",
+    "PeerUnreachable",
     "PreconditionRequired",
     "RecordError",
     "RequestTimeout",
@@ -282,6 +292,28 @@ class ServiceUnavailable(KvspError):
     status = 503
     slug = "kvsp-unavailable"
     title = "Service temporarily unavailable"
+
+
+class PeerError(ServiceUnavailable):
+    """A peer we called failed us. Raised only around a client's own I/O, so a caller's bug
+    never passes for an unreachable peer; to the caller's caller it is a 503 like any
+    unavailable backing service."""
+
+
+class PeerUnreachable(PeerError):
+    pass
+
+
+class PeerTimeout(PeerError):
+    pass
+
+
+class PeerProtocolError(PeerError):
+    pass
+
+
+class PeerAnswerTooLarge(PeerProtocolError):
+    pass
 
 
 class CapacityExhausted(KvspError):

@@ -32,7 +32,10 @@ from kvsp.core.problems import (
     ContainerError,
     ContainerLengthError,
     DigestError,
+    InvalidInput,
     KvspError,
+    PeerAnswerTooLarge,
+    PeerError,
     ServiceUnavailable,
 )
 from kvsp.core.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord
@@ -40,7 +43,7 @@ from kvsp.core.registries import BLOCK_MEDIA_TYPE, JSON_MEDIA_TYPE
 from kvsp.core.urls import canonical_url
 from kvsp.holder.blocks import MAX_BLOCK_OCTETS, BlockId, block_ref
 from kvsp.web.client import ClosingClient, auth_headers, problem_for
-from kvsp.web.http1 import BodyTooLarge, Http1Client, ProtocolError, Response
+from kvsp.web.http1 import Http1Client, Response
 
 __all__ = ["ArrivalChecks", "BlockReceiver", "HolderClient", "MoqtSkips", "fetchable"]
 
@@ -50,12 +53,13 @@ log = logging.getLogger("kvsp.holder.client")
 _JSON_OCTETS = 1 << 20
 
 
-def _unreachable(holder: str, method: str, url: str, exc: BaseException) -> KvspError:
-    """A transport failure as a kvsp error: a body above the limit is the container's fault,
-    anything else the holder's (unreachable, gone mid-answer, not speaking HTTP/1.1)."""
-    if isinstance(exc, BodyTooLarge):
+def _unreachable(holder: str, method: str, url: str, exc: PeerError) -> KvspError:
+    """A transport failure, naming the holder: a body above the limit is the container's
+    fault, anything else the holder's (unreachable, too slow, gone mid-answer, not speaking
+    HTTP/1.1), of the same class."""
+    if isinstance(exc, PeerAnswerTooLarge):
         return ContainerLengthError(f"{method} {url}: {exc}")
-    return ServiceUnavailable(f"holder {holder} unreachable: {exc!r}")
+    return type(exc)(f"holder {holder} unreachable: {exc.detail}")
 
 
 class MoqtSkips:
@@ -299,19 +303,19 @@ class HolderClient(ClosingClient):
                         timeout_s=self._timeout_s, sink=sink,
                     )
                 )  # fmt: skip
-            except ValueError as exc:  # a holder URL no request can be made to
-                raise ServiceUnavailable(f"holder {holder} cannot be asked: {exc}") from None
-            except (OSError, ProtocolError) as exc:
+            except InvalidInput as exc:  # a holder URL no request can be made to
+                raise ServiceUnavailable(f"holder {holder} cannot be asked: {exc.detail}") from None
+            except PeerError as exc:
                 raise _unreachable(holder, method, url, exc) from None
             if not 200 <= response.status < 300:
                 try:  # read whole, so the connection stays usable
                     content = await response.read(_JSON_OCTETS)
-                except (OSError, ProtocolError) as exc:
+                except PeerError as exc:
                     raise _unreachable(holder, method, url, exc) from None
                 raise problem_for(response.status, content, f"{method} {url}")
             try:
                 yield response
-            except (OSError, ProtocolError) as exc:  # the answer broke off while being read
+            except PeerError as exc:  # the answer broke off while being read
                 raise _unreachable(holder, method, url, exc) from None
 
     @asynccontextmanager

@@ -30,8 +30,8 @@ from kvsp.core.records import (
     ReplicaRef,
 )
 from kvsp.index.queries import decode_lookup
+from kvsp.index.rules import LOOKUP_ROLES, PUBLISH_ROLES, STATUS_ROLES, check_path
 from kvsp.index.service import IndexService
-from kvsp.index.state import LOOKUP_ROLES, PUBLISH_ROLES, STATUS_ROLES, check_path
 from kvsp.web.openapi import ANYONE, METRICS_ROLES, Op, obj, principal_of, routes_of
 from kvsp.web.server import (
     AsgiEndpoint,

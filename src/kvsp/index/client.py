@@ -13,7 +13,7 @@ from kvsp.core.records import (
     ReplicaRecord,
     ReplicaRef,
 )
-from kvsp.index.state import PublishOutcome
+from kvsp.index.replicas import PublishOutcome
 from kvsp.web.client import JsonClient
 
 __all__ = ["IndexClient"]

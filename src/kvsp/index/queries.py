@@ -21,7 +21,7 @@ import msgspec
 from kvsp.core.problems import RecordError
 from kvsp.core.records import MAX_KEYS_PER_REQUEST, LookupRequest
 from kvsp.index.keytable import check_keys, is_hex, pack_keys
-from kvsp.index.state import PackedKeys
+from kvsp.index.wire import PackedKeys
 
 __all__ = ["Lookup", "LookupBody", "LookupQuery", "decode_lookup"]
 

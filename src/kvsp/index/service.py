@@ -31,17 +31,17 @@ from kvsp.core.records import (
     ReplicaRef,
 )
 from kvsp.index.queries import LookupQuery
-from kvsp.index.state import (
+from kvsp.index.replicas import PublishOutcome, arrays_of
+from kvsp.index.rules import (
     PUBLISH_ROLES,
-    PublishOutcome,
-    answer_json,
     authorize_lookup,
     authorize_publish,
     authorize_status,
     authorize_withdraw,
-    estimate_targets,
 )
+from kvsp.index.statuses import estimate_targets
 from kvsp.index.stores import ReplicaStore
+from kvsp.index.wire import answer_json
 
 __all__ = ["IndexMetrics", "IndexService"]
 
@@ -219,7 +219,8 @@ class IndexService:
         self.metrics.lookups.observe(len(query.block_keys), len(blocks))
         estimates = estimate_targets(query.targets, result.statuses, blocks, block_tokens)
         return answer_json(
-            blocks, ",".join(e.model_dump_json(exclude_none=True) for e in estimates).encode()
+            arrays_of(blocks),
+            ",".join(e.model_dump_json(exclude_none=True) for e in estimates).encode(),
         )
 
     async def put_status(self, principal: Principal, status: InstanceStatusRecord) -> None:

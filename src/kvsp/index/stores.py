@@ -41,17 +41,16 @@ from kvsp.core.clock import Clock
 from kvsp.core.problems import CapacityExhausted, InvalidInput, ServiceUnavailable, StaleEpoch
 from kvsp.core.records import InstanceStatusRecord, ReplicaRecord, ReplicaRef
 from kvsp.core.urls import canonical_url
-from kvsp.index.state import (
-    STATUS_RETENTION_MS,
+from kvsp.index.replicas import (
     BlockReplicas,
-    IndexLimits,
     PublishOutcome,
     ReplicaTable,
-    StatusTable,
     StoredReplica,
-    answer_json,
-    record_tail,
+    arrays_of,
 )
+from kvsp.index.rules import IndexLimits
+from kvsp.index.statuses import STATUS_RETENTION_MS, StatusTable
+from kvsp.index.wire import answer_json, record_tail
 from kvsp.tasks import cancel_all
 
 __all__ = [
@@ -368,7 +367,7 @@ class RedisReplicaStore:
 
     async def answer(self, compat: str, scope: str, block_keys: Sequence[str]) -> tuple[int, bytes]:
         matched = (await self.lookup(compat, scope, block_keys, ())).matched
-        return len(matched), answer_json(matched)
+        return len(matched), answer_json(arrays_of(matched))
 
     async def put_status(self, status: InstanceStatusRecord) -> None:
         pipe = self._redis.pipeline(transaction=False)

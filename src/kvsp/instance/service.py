@@ -34,13 +34,8 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, TypeVar
-
-import numpy as np
-import numpy.typing as npt
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from typing import Any
 
 from kvsp.auth import Principal, Role, authorize
 from kvsp.core.clock import SystemClock
@@ -76,90 +71,34 @@ from kvsp.holder.client import HolderClient
 from kvsp.holder.service import HolderConfig, HolderService
 from kvsp.holder.store import Protected, TierData
 from kvsp.index.client import IndexClient
+from kvsp.instance.config import InstanceConfig
 from kvsp.instance.controller_client import ControllerClient
 from kvsp.instance.engine import Engine, KvState
 from kvsp.instance.events import EventPage
 from kvsp.instance.fair import FairWorker
-from kvsp.instance.hints import HintLimits, PinTable
+from kvsp.instance.generation import EngineRates, generate
+from kvsp.instance.hints import PinTable
 from kvsp.instance.kvpool import BlockRefs, KvPages
 from kvsp.instance.links import LinkEstimates
 from kvsp.instance.prefetch import Prefetcher
 from kvsp.instance.release import ReleaseGate
 from kvsp.instance.reuse import Reuse
-from kvsp.instance.sampling import next_token
 from kvsp.instance.session_kv import SessionKv
 from kvsp.instance.sessions import MOVED, Session, TokenEvent
 from kvsp.instance.shards import HeldRange, ShardHoldings
 from kvsp.model import ModelFiles, installed
 from kvsp.tasks import Wakeup, cancel_all
-from kvsp.tenants import Tenants
 
-__all__ = ["InstanceConfig", "InstanceService"]
+__all__ = ["InstanceService"]
 
 log = logging.getLogger("kvsp.instance")
 _UNKNOWN = -1  # the id of a prompt token whose KV was imported from a block
 
 
-@dataclass(frozen=True)
-class InstanceConfig:
-    url: str
-    tenants: Tenants
-    #: G1 capacity in blocks (KV pages of the engine)
-    g1_blocks: int = 256
-    #: leading layers of each block kept in G1 (None: all); the rest go to G2
-    g1_layers: int | None = None
-    g2_bytes: int = 1 << 30
-    #: the rate G2 is read at, reported in Replica Records (memcpy on these machines)
-    g2_read_mbit_per_s: float = 96_000.0
-    block_tokens: int = 16
-    controller_url: str | None = None
-    index_url: str | None = None
-    #: this instance's bearer token for the controller, the IS and other holders
-    token: str | None = None
-    offload_url: str | None = None
-    status_ttl_ms: int = 3_000
-    release_batch: int = 4
-    checkpoint_every: int = 64
-    max_tokens: int = 256
-    #: prompt tokens per engine turn: between turns other tenants' steps run, and a cancelled
-    #: session stops
-    prefill_chunk: int = 512
-    #: finished sessions whose tokens stay readable (oldest forgotten first)
-    max_sessions: int = 1024
-    model_home: Path | None = None
-    threads: int | None = None
-    #: ask the controller to sleep after this long with nothing to do (None: never)
-    sleep_after_s: float | None = None
-    #: keep the SessionPrefixIndex (KvHints may then target sessions)
-    session_index: bool = False
-    hint_limits: HintLimits = field(default_factory=HintLimits)
-    #: events kept for consumers that fall behind
-    events: int = 4096
-
-
-T = TypeVar("T")
-
 #: how often the instance registers its descriptor at the IS again
 REGISTER_EVERY_S = 60.0
 #: whose turn the controller's own engine work (sequence shards) takes
 CONTROL_TURN = ""
-
-
-class _Timed:
-    """Calls a function and adds up how long its calls took (the engine's own time, without
-    the turns of other tenants)."""
-
-    def __init__(self) -> None:
-        self.total_s = 0.0
-        self.last_s = 0.0
-
-    def __call__(self, fn: Callable[..., T], *args: Any) -> T:
-        started = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.last_s = time.perf_counter() - started
-            self.total_s += self.last_s
 
 
 class InstanceService:
@@ -238,8 +177,7 @@ class InstanceService:
             self.holder, self.peers, self.index, self.reuse.fetch, self.placement
         )
         self.shards = ShardHoldings()
-        self.prefill_rate = 400.0
-        self.decode_rate = 15.0
+        self.rates = EngineRates()
         #: the engine's one thread, shared fairly between tenants
         self.engine_thread = FairWorker("kvsp-engine")
         self._idle_since = time.monotonic()
@@ -329,8 +267,8 @@ class InstanceService:
                 "queued": queued,
                 "batch_size": batch,
                 "kv_utilization": self.kv_utilization(),
-                "prefill_tokens_per_s": self.prefill_rate,
-                "decode_tokens_per_s": self.decode_rate,
+                "prefill_tokens_per_s": self.rates.prefill,
+                "decode_tokens_per_s": self.rates.decode,
                 "links": links,
                 "ttl_ms": self.config.status_ttl_ms,
                 "requested_state": InstanceState.SLEEPING if self._wants_sleep() else None,
@@ -529,56 +467,20 @@ class InstanceService:
     async def _run(
         self, session: Session, state: KvState, rest: list[int], first_step: int
     ) -> None:
-        """Compute the prompt's rest, then generate, one step at a time in the tenant's turn
-        on the engine thread (``FairWorker``); a cancelled session stops between steps."""
-        engine = self.engine
-        b = engine.block_tokens
-        tenant = session.tenant.name
-        exported = len(state) // b  # blocks already held (imported)
-        timed = _Timed()
-
-        def decode_step(
-            logits: npt.NDArray[np.float32], step: int
-        ) -> tuple[list[tuple[int, bytes]], int, npt.NDArray[np.float32] | None]:
-            """The blocks completed so far, the next token, and the logits after it (None
-            once the session stops there)."""
-            nonlocal exported
-            blocks = []
-            while exported < len(state) // b:
-                blocks.append((exported, engine.export_block(state, exported).tobytes()))
-                exported += 1
-            token = next_token(logits, session.sampler, step)
-            if token in engine.stop_ids or step + 1 >= session.max_tokens:
-                return blocks, token, None
-            after = timed(engine.forward, state, [token])
-            self.decode_rate = 1 / max(timed.last_s, 1e-6)
-            return blocks, token, after
-
+        """Generate on the engine thread (``instance/generation.py``), then finish."""
         try:
-            logits = None
-            step_tokens = self.config.prefill_chunk
-            for at in range(0, len(rest), step_tokens):
-                chunk = rest[at : at + step_tokens]
-                logits = await self.engine_thread.run(
-                    tenant, functools.partial(timed, engine.forward, state, chunk)
-                )
-                session.begun = True
-                if session.cancelled is not None:
-                    break
-            if len(rest) > 1:
-                self.prefill_rate = len(rest) / max(timed.total_s, 1e-6)
-            step = first_step
-            while logits is not None and step < session.max_tokens:
-                if session.cancelled is not None:
-                    break
-                blocks, token, logits = await self.engine_thread.run(
-                    tenant, functools.partial(decode_step, logits, step)
-                )
-                session.begun = True
-                for index, body in blocks:
-                    self._on_block(session, index, body)
-                self._on_token(session, token)
-                step += 1
+            await generate(
+                self.engine,
+                self.engine_thread,
+                session,
+                state,
+                rest,
+                first_step,
+                self.config.prefill_chunk,
+                self.rates,
+                self._on_block,
+                self._on_token,
+            )
         except Exception as exc:  # the session ends with the error; the service goes on
             log.exception("session %s failed", session.session)
             session.error = repr(exc)

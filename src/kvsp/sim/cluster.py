@@ -48,7 +48,8 @@ from kvsp.core.records import InstanceState, InstanceStatusRecord, Link
 from kvsp.core.registries import CODEC_RAW
 from kvsp.holder.blocks import BlockId, BlockMeta
 from kvsp.holder.store import BlockStore, Effect, Protected, Publish, Span, TierSpec
-from kvsp.index.state import IndexLimits, ReplicaTable
+from kvsp.index.replicas import ReplicaTable
+from kvsp.index.rules import IndexLimits
 from kvsp.instance.hints import HintLimits, LocalHints, PinTable
 from kvsp.instance.kvpool import BlockRefs
 from kvsp.sim.scenario import Scenario

@@ -2,7 +2,9 @@
 
 A kvsp client raises the same exception class the server raised (matched by problem type),
 so callers handle a 404 ``kvsp-layers-unavailable`` or a 429 ``kvsp-lease-quota`` the same way
-in process and across the network. A peer that cannot be reached is ``ServiceUnavailable``.
+in process and across the network. A peer that cannot be reached, answers too late or breaks
+HTTP is the transport branch of the tree (``PeerUnreachable``, ``PeerTimeout``,
+``PeerProtocolError``: each a ``ServiceUnavailable``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from kvsp.core.problems import (
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
+    PeerError,
+    PeerProtocolError,
+    PeerTimeout,
+    PeerUnreachable,
     ServiceUnavailable,
     Unauthenticated,
     problem_types,
@@ -33,6 +39,7 @@ __all__ = [
     "ClosingClient",
     "JsonClient",
     "auth_headers",
+    "peer_error",
     "problem_for",
     "raise_for_problem",
     "transport_errors",
@@ -51,6 +58,17 @@ _BY_STATUS: dict[int, type[KvspError]] = {
 
 #: httpx errors that mean "the peer is not there right now".
 transport_errors = (httpx.TransportError,)
+
+
+def peer_error(exc: httpx.TransportError, peer: str) -> PeerError:
+    """An httpx transport failure as the error tree's transport branch."""
+    detail = f"{peer} unreachable: {exc!r}"
+    if isinstance(exc, httpx.TimeoutException):
+        return PeerTimeout(detail)
+    if isinstance(exc, httpx.RemoteProtocolError | httpx.DecodingError):
+        return PeerProtocolError(detail)
+    return PeerUnreachable(detail)
+
 
 #: How long an idle connection is kept for reuse: shorter than the 5 s after which kvsp's
 #: services (uvicorn) close idle connections, so a request is never sent on a connection the
@@ -117,7 +135,7 @@ class JsonClient(ClosingClient):
                 method, url, content=body, params=params, timeout=timeout
             )
         except transport_errors as exc:
-            raise ServiceUnavailable(f"{self.peer} unreachable: {exc!r}") from None
+            raise peer_error(exc, self.peer) from None
         raise_for_problem(response)
         return response
 

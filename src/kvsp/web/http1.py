@@ -9,7 +9,12 @@ Chunked and close-delimited bodies are decoded from a small scratch buffer and c
 
 It does what kvsp's clients need and no more: one request at a time per connection,
 keep-alive pools per origin with a connection limit, TLS, 1xx answers skipped, heads and bodies
-bounded, one deadline per request. The framing rules are RFC 9112's (section 6.3).
+bounded, one deadline per request. The framing rules are RFC 9112's (section 6.3). Its
+failures are the error tree's transport branch: ``PeerUnreachable`` (no connection),
+``PeerTimeout`` (no complete answer in time), ``PeerProtocolError`` (an answer that breaks the
+framing or broke off; ``PeerAnswerTooLarge`` for a body above the caller's buffer), and
+``InvalidInput`` for a request that cannot be written (not an http(s) URL, control
+characters).
 """
 
 from __future__ import annotations
@@ -23,13 +28,18 @@ from dataclasses import dataclass
 from typing import Literal, cast
 from urllib.parse import urlencode, urlsplit
 
+from kvsp.core.problems import (
+    InvalidInput,
+    PeerAnswerTooLarge,
+    PeerProtocolError,
+    PeerTimeout,
+    PeerUnreachable,
+)
 from kvsp.core.validation import decimal
 
 __all__ = [
-    "BodyTooLarge",
     "ChunkedDecoder",
     "Http1Client",
-    "ProtocolError",
     "Response",
     "ResponseHead",
     "parse_head",
@@ -45,14 +55,6 @@ _IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 
 Framing = Literal["none", "length", "chunked", "close"]
 Origin = tuple[str, str, int]
-
-
-class ProtocolError(Exception):
-    """The peer's answer is not HTTP/1.1 this client can read, or it went away mid-answer."""
-
-
-class BodyTooLarge(ProtocolError):
-    """A response body is longer than the buffer (or limit) it was read into."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +86,7 @@ class ResponseHead:
         values = {v.strip() for v in length.split(",")}
         octets = decimal(values.pop()) if len(values) == 1 else None
         if octets is None:
-            raise ProtocolError(f"malformed Content-Length {length!r}")
+            raise PeerProtocolError(f"malformed Content-Length {length!r}")
         return ("length", octets) if octets else ("none", 0)
 
 
@@ -95,14 +97,14 @@ def parse_head(octets: bytes) -> ResponseHead:
         status_line, *lines = text.split("\r\n")
         version, code, *_ = status_line.split(" ", 2)
     except ValueError:
-        raise ProtocolError("malformed status line") from None
+        raise PeerProtocolError("malformed status line") from None
     if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or decimal(code) is None:
-        raise ProtocolError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
+        raise PeerProtocolError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
     headers: dict[str, str] = {}
     for line in lines:
         name, sep, value = line.partition(":")
         if not sep or not name or name != name.strip() or line[0] in " \t":
-            raise ProtocolError(f"malformed field line {line[:80]!r}")
+            raise PeerProtocolError(f"malformed field line {line[:80]!r}")
         key = name.lower()
         value = value.strip(" \t")
         headers[key] = f"{headers[key]}, {value}" if key in headers else value
@@ -125,12 +127,12 @@ class ChunkedDecoder:
         if end < 0:
             self._line += data[pos:]
             if len(self._line) > _LINE_LIMIT:
-                raise ProtocolError("chunk line too long")
+                raise PeerProtocolError("chunk line too long")
             return None, len(data)
         line = bytes(self._line + data[pos : pos + end])
         self._line.clear()
         if len(line) > _LINE_LIMIT or not line.endswith(b"\r"):
-            raise ProtocolError("malformed chunk line")
+            raise PeerProtocolError("malformed chunk line")
         return line[:-1], pos + end + 1
 
     def feed(self, data: memoryview) -> tuple[list[memoryview], int]:
@@ -153,12 +155,12 @@ class ChunkedDecoder:
             if self._state == "size":
                 size = line.split(b";", 1)[0].strip()
                 if not size or len(size) > 15 or size.strip(b"0123456789abcdefABCDEF"):
-                    raise ProtocolError(f"malformed chunk size {size[:20]!r}")
+                    raise PeerProtocolError(f"malformed chunk size {size[:20]!r}")
                 self._left = int(size, 16)
                 self._state = "data" if self._left else "trailer"
             elif self._state == "data-end":
                 if line:
-                    raise ProtocolError("chunk data longer than its size")
+                    raise PeerProtocolError("chunk data longer than its size")
                 self._state = "size"
             elif not line:  # the empty line after the trailer fields
                 self.done = True
@@ -214,7 +216,7 @@ class _Connection(asyncio.BufferedProtocol):
             return self._sink[self._filled : self._filled + self._left]
         self._in_sink = False
         if self._fill == len(self._scratch):  # a head above the limit: nothing more is read
-            self._fail(ProtocolError(f"response head above {HEAD_LIMIT} octets"))
+            self._fail(PeerProtocolError(f"response head above {HEAD_LIMIT} octets"))
             return memoryview(bytearray(1))
         return self._view[self._fill :]
 
@@ -233,14 +235,14 @@ class _Connection(asyncio.BufferedProtocol):
         self._fill += nbytes
         try:
             self._process()
-        except ProtocolError as exc:
+        except PeerProtocolError as exc:
             self._fail(exc)
 
     def eof_received(self) -> bool:
         if self._framing == "close" and self._sink is not None:
             self._end_body()
         elif not self.body_done:
-            self._fail(ProtocolError("the peer closed the connection mid-answer"))
+            self._fail(PeerProtocolError("the peer closed the connection mid-answer"))
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -249,7 +251,7 @@ class _Connection(asyncio.BufferedProtocol):
             if self._framing == "close" and self._sink is not None and exc is None:
                 self._end_body()
             else:
-                self._error = ProtocolError(f"connection lost: {exc!r}")
+                self._error = PeerProtocolError(f"connection lost: {exc!r}")
         self._wake()
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
@@ -272,7 +274,7 @@ class _Connection(asyncio.BufferedProtocol):
             head = parse_head(bytes(self._view[:end]))
             self._consume(end + 4)
             if head.status == 101:
-                raise ProtocolError("the peer switched protocols")
+                raise PeerProtocolError("the peer switched protocols")
             if head.status < 200:
                 continue  # 100 Continue, 103 Early Hints: the answer follows
             self.head = head
@@ -306,7 +308,7 @@ class _Connection(asyncio.BufferedProtocol):
         assert self._sink is not None
         end = self._filled + len(data)
         if end > len(self._sink):
-            raise BodyTooLarge(f"response body above {len(self._sink)} octets")
+            raise PeerAnswerTooLarge(f"response body above {len(self._sink)} octets")
         self._sink[self._filled : end] = data
         self._filled = end
 
@@ -332,7 +334,7 @@ class _Connection(asyncio.BufferedProtocol):
         else:
             self._put(data)
         if used < len(data):
-            raise ProtocolError(f"{len(data) - used} octets after the end of the answer")
+            raise PeerProtocolError(f"{len(data) - used} octets after the end of the answer")
         self._fill = 0
         if used and self._on_arrival is not None:
             self._on_arrival(self._filled)
@@ -400,7 +402,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._reset(method, sink)
         loop = asyncio.get_running_loop()
         self._deadline = loop.call_later(
-            timeout_s, self._fail, TimeoutError(f"no complete answer within {timeout_s} s")
+            timeout_s, self._fail, PeerTimeout(f"no complete answer within {timeout_s} s")
         )
         self._transport.write(head)
         for part in body:
@@ -421,14 +423,14 @@ class _Connection(asyncio.BufferedProtocol):
         if sink is None:
             raise ValueError("the body does not go to the request's sink: name a sink")
         if self._framing == "length" and self._left > len(sink):
-            error = BodyTooLarge(f"response body of {self._left} octets above {len(sink)}")
+            error = PeerAnswerTooLarge(f"response body of {self._left} octets above {len(sink)}")
             self._fail(error)
             raise error
         if not self.body_done:
             self._sink = sink
             try:
                 self._drain_scratch()
-            except ProtocolError as exc:
+            except PeerProtocolError as exc:
                 self._fail(exc)
             if self._transport is not None and not self.closed:
                 self._transport.resume_reading()
@@ -436,7 +438,7 @@ class _Connection(asyncio.BufferedProtocol):
     async def fill(self, sink: memoryview | None) -> AsyncIterator[int]:
         """Receive the body into ``sink`` (None: into the request's sink, where it already
         goes); yield how many octets of it have arrived, each time more have. Raises
-        ``BodyTooLarge`` (before reading on) when it cannot fit."""
+        ``PeerAnswerTooLarge`` (before reading on) when it cannot fit."""
         self._direct(sink)
         reported = 0
         while True:
@@ -493,10 +495,10 @@ class Response:
         return await self._connection.receive(sink, on_arrival)
 
     async def read(self, max_octets: int) -> bytes:
-        """The whole body; ``BodyTooLarge`` above ``max_octets``."""
+        """The whole body; ``PeerAnswerTooLarge`` above ``max_octets``."""
         size = max_octets if self.content_length is None else self.content_length
         if size > max_octets:
-            raise BodyTooLarge(f"response body of {size} octets above {max_octets}")
+            raise PeerAnswerTooLarge(f"response body of {size} octets above {max_octets}")
         sink = memoryview(bytearray(size))
         return bytes(sink[: await self.receive(sink)])
 
@@ -504,7 +506,7 @@ class Response:
 def _check_fields(fields: Mapping[str, str]) -> None:
     for pair in fields.items():
         if any(_NOT_IN_FIELD.search(text) for text in pair):
-            raise ValueError(f"control characters in the header {pair[0]!r}")
+            raise InvalidInput(f"control characters in the header {pair[0]!r}")
 
 
 class Http1Client:
@@ -540,7 +542,9 @@ class Http1Client:
             async with asyncio.timeout(timeout_s):
                 _, protocol = await loop.create_connection(_Connection, host, port, ssl=tls)
         except TimeoutError:
-            raise TimeoutError(f"no connection to {host}:{port} within {timeout_s} s") from None
+            raise PeerTimeout(f"no connection to {host}:{port} within {timeout_s} s") from None
+        except OSError as exc:  # refused, no route, no such name, TLS refused
+            raise PeerUnreachable(f"no connection to {host}:{port}: {exc}") from None
         return protocol
 
     def _idle_connection(self, origin: Origin) -> _Connection | None:
@@ -572,7 +576,7 @@ class Http1Client:
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         if scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {url!r}")
+            raise InvalidInput(f"not an http(s) URL: {url!r}")
         port = parts.port or (443 if scheme == "https" else 80)
         origin = (scheme, parts.hostname, port)
         target = parts.path or "/"
@@ -581,7 +585,7 @@ class Http1Client:
             target += "?" + query
         length = sum(len(p) for p in body)
         if _NOT_IN_TARGET.search(target):
-            raise ValueError(f"control characters or spaces in a request to {url!r}")
+            raise InvalidInput(f"control characters or spaces in a request to {url!r}")
         # RFC 9110 7.2: Host is the authority without userinfo (never send credentials there)
         host = parts.netloc.rpartition("@")[2]
         _check_fields({**(headers or {}), "host": host})
@@ -623,8 +627,8 @@ class Http1Client:
                 return connection, await connection.send(method, head, body, timeout_s, sink)
             except BaseException as exc:
                 connection.close()
-                closed_before_answer = isinstance(exc, OSError | ProtocolError) and not (
-                    isinstance(exc, TimeoutError) or connection.started
+                closed_before_answer = (
+                    isinstance(exc, PeerProtocolError | PeerUnreachable) and not connection.started
                 )
                 if not closed_before_answer or method not in _IDEMPOTENT:
                     raise

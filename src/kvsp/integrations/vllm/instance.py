@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 from kvsp.core.problems import NotFound, ServiceUnavailable
 from kvsp.core.records import Sampler
 from kvsp.holder.store import TierData
-from kvsp.instance.service import InstanceConfig, InstanceService
+from kvsp.instance.config import InstanceConfig
+from kvsp.instance.service import InstanceService
 from kvsp.instance.sessions import Session
 from kvsp.integrations.vllm.engine import vllm_environment
 from kvsp.model import ModelBounds, ModelFiles
@@ -355,11 +356,11 @@ class VllmInstanceService(InstanceService):
                 return
             computed = progress.prompt_tokens - progress.cached
             if computed > 1:
-                self.prefill_rate = computed / max(now - progress.started, 1e-6)
+                self.rates.prefill = computed / max(now - progress.started, 1e-6)
         else:
             tokens = len(output.outputs[0].token_ids) if output.outputs else 0
             if tokens:
-                self.decode_rate = tokens / max(now - progress.last, 1e-6)
+                self.rates.decode = tokens / max(now - progress.last, 1e-6)
         progress.last = now
         for token in output.outputs[0].token_ids if output.outputs else ():
             self._on_token(session, token)

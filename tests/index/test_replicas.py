@@ -1,0 +1,159 @@
+"""The replica table with a manual clock: prefix lookup, expiry, the TTL cap, limits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvsp.core.clock import ManualClock
+from kvsp.core.problems import CapacityExhausted
+from kvsp.core.records import ReplicaRecord
+from kvsp.index.replicas import ReplicaTable
+from kvsp.index.rules import (
+    IndexLimits,
+)
+from tests.index.factories import (
+    COMPAT,
+    H1,
+    H2,
+    I1,
+    I2,
+    SCOPE_A,
+    SCOPE_B,
+    keys,
+    ref,
+    replica,
+)
+
+
+def test_lookup_stops_at_the_first_miss(table: ReplicaTable) -> None:
+    for n in (0, 1, 3):
+        table.publish(replica(n))
+    found = table.lookup(COMPAT, SCOPE_A, keys(0, 1, 2, 3))
+    assert len(found) == 2
+    none = table.lookup(COMPAT, SCOPE_A, keys(2, 3))
+    assert none == []
+
+
+def test_scopes_and_compats_are_separate(table: ReplicaTable) -> None:
+    table.publish(replica(0, scope=SCOPE_A))
+    assert table.lookup(COMPAT, SCOPE_B, keys(0)) == []
+    assert table.lookup("00" * 32, SCOPE_A, keys(0)) == []
+
+
+def test_records_of_every_holder_are_returned(table: ReplicaTable, clock: ManualClock) -> None:
+    table.publish(replica(0, holder=H1))
+    table.publish(replica(0, holder=H2))
+    found = table.lookup(COMPAT, SCOPE_A, keys(0))
+    assert sorted(r["holder"] for r in json.loads(found[0].rendered())) == [H1, H2]
+
+
+def test_a_block_array_stays_right_as_its_replicas_change(table: ReplicaTable) -> None:
+    holders = [H1, H2, I1, I2]
+    for n, holder in enumerate(holders):
+        table.publish(replica(0, holder=holder, ttl_ms=1_000 + n))
+    table.withdraw(ref(0, holder=H2))
+    table.publish(replica(0, holder=I1, ttl_ms=5_000))  # refreshed: moves to the end
+    table.publish(replica(0, holder=H2, ttl_ms=2_000))
+    (block,) = table.lookup(COMPAT, SCOPE_A, keys(0))
+    served = [ReplicaRecord.parse(r) for r in json.loads(block.rendered())]
+    assert [(r.holder, r.ttl_ms) for r in served] == [
+        (H1, 1_000),
+        (I2, 1_003),
+        (I1, 5_000),
+        (H2, 2_000),
+    ]
+    assert served[1] == replica(0, holder=I2, ttl_ms=1_003)
+
+
+@pytest.mark.parametrize("render_at_publish", [True, False])
+def test_served_json_is_the_record_with_the_granted_ttl(
+    clock: ManualClock, render_at_publish: bool
+) -> None:
+    table = ReplicaTable(clock, IndexLimits(max_ttl_ms=10_000, max_records=100), render_at_publish)
+    record = replica(0, ttl_ms=50_000)
+    table.publish(record)
+    clock.advance(1_200)
+    found = table.lookup(COMPAT, SCOPE_A, keys(0))
+    served = json.loads(found[0].rendered())
+    assert [ReplicaRecord.parse(r) for r in served] == [
+        record.model_copy(update={"ttl_ms": 10_000})
+    ]
+
+
+def test_expiry_and_ttl_cap(table: ReplicaTable, clock: ManualClock) -> None:
+    short = table.publish(replica(0, ttl_ms=1_000))
+    capped = table.publish(replica(1, ttl_ms=50_000))
+    assert (short.ttl_ms, capped.ttl_ms) == (1_000, 10_000)
+    clock.advance(999)
+    assert len(table.lookup(COMPAT, SCOPE_A, keys(0, 1))) == 2
+    clock.advance(1)
+    assert table.lookup(COMPAT, SCOPE_A, keys(0, 1)) == []
+    assert len(table.lookup(COMPAT, SCOPE_A, keys(1))) == 1
+    assert table.count == 1
+    clock.advance(9_000)
+    assert table.count == 0
+    assert table.expired_total == 2
+
+
+def test_refresh_is_idempotent_and_extends(table: ReplicaTable, clock: ManualClock) -> None:
+    first = table.publish(replica(0, ttl_ms=1_000))
+    clock.advance(900)
+    again = table.publish(replica(0, ttl_ms=1_000))
+    assert (first.created, again.created) == (True, False)
+    assert table.count == 1
+    clock.advance(900)
+    assert len(table.lookup(COMPAT, SCOPE_A, keys(0))) == 1
+    clock.advance(100)
+    assert table.lookup(COMPAT, SCOPE_A, keys(0)) == []
+    assert table.expired_total == 1
+
+
+def test_holder_urls_are_compared_canonically(table: ReplicaTable) -> None:
+    table.publish(replica(0, holder="HTTP://127.0.0.1:9101/kvsp"))
+    assert not table.publish(replica(0, holder=H1)).created
+    assert table.withdraw(ref(0, holder=H1))
+    assert table.count == 0
+
+
+def test_withdraw(table: ReplicaTable) -> None:
+    table.publish(replica(0, holder=H1))
+    table.publish(replica(0, holder=H2))
+    assert table.withdraw(ref(0, holder=H1))
+    assert not table.withdraw(ref(0, holder=H1))
+    found = table.lookup(COMPAT, SCOPE_A, keys(0))
+    assert [r["holder"] for r in json.loads(found[0].rendered())] == [H2]
+    assert table.counts_by_scope() == {SCOPE_A: 1}
+
+
+def test_record_limit_is_507_and_stores_nothing(clock: ManualClock) -> None:
+    table = ReplicaTable(clock, IndexLimits(max_records=3))
+    table.publish_many([replica(0), replica(1)])
+    with pytest.raises(CapacityExhausted, match="limit of 3"):
+        table.publish_many([replica(2), replica(3)])
+    assert table.count == 2
+    assert not table.publish(replica(1)).created  # refreshing needs no room
+    table.publish(replica(2))
+    with pytest.raises(CapacityExhausted):
+        table.publish(replica(3))
+    clock.advance(600_000)
+    table.publish(replica(3))  # expiry made room
+
+
+def test_expiry_costs_only_the_expired(clock: ManualClock) -> None:
+    table = ReplicaTable(clock, IndexLimits(max_ttl_ms=10**9, max_records=10**6))
+    table.publish_many([replica(n, ttl_ms=10**8) for n in range(5_000)])
+    table.publish(replica(99_999, ttl_ms=10))
+    clock.advance(10)
+    assert table.expire() == clock.now_ms()
+    assert table.expired_total == 1
+    # the heap still holds one entry per live record: nothing was scanned or rebuilt
+    assert len(table._deadlines) == 5_000
+    assert table.count == 5_000
+
+
+def test_refresh_storm_keeps_the_deadline_heap_bounded(table: ReplicaTable) -> None:
+    for _ in range(5_000):
+        table.publish(replica(0))
+    assert len(table._deadlines) <= 2 * table.count + 1024

@@ -1,0 +1,63 @@
+"""Who may publish, withdraw, look up and report at the IS, and a record matching its path."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsp.auth import Principal, Role
+from kvsp.core.problems import Forbidden, RecordError
+from kvsp.index.rules import (
+    authorize_lookup,
+    authorize_publish,
+    authorize_status,
+    authorize_withdraw,
+    check_path,
+)
+from tests.index.factories import (
+    COMPAT,
+    H1,
+    H2,
+    I1,
+    SCOPE_A,
+    SCOPE_B,
+    key,
+    ref,
+    replica,
+    status,
+)
+
+
+def test_path_must_match_body() -> None:
+    record = replica(0)
+    check_path(record, COMPAT, SCOPE_A, key(0))
+    with pytest.raises(RecordError, match="match the path"):
+        check_path(record, COMPAT, SCOPE_A, key(1))
+
+
+def _principal(roles: set[Role], scopes: set[str], holders: set[str]) -> Principal:
+    return Principal("p", frozenset(roles), frozenset(scopes), frozenset(holders))
+
+
+@pytest.mark.parametrize("role", list(Role))
+@pytest.mark.parametrize("scope_ok", [True, False])
+@pytest.mark.parametrize("holder_ok", [True, False])
+def test_authorization_matrix(role: Role, scope_ok: bool, holder_ok: bool) -> None:
+    principal = _principal({role}, {SCOPE_A if scope_ok else SCOPE_B}, {H1 if holder_ok else H2})
+    may_publish = role in (Role.HOLDER, Role.INSTANCE, Role.ADMIN) and scope_ok and holder_ok
+    for action, subject in ((authorize_publish, replica(0)), (authorize_withdraw, ref(0))):
+        if may_publish:
+            action(principal, subject)  # type: ignore[operator]
+        else:
+            with pytest.raises(Forbidden):
+                action(principal, subject)  # type: ignore[operator]
+    if scope_ok and role is not Role.METRICS:  # a scraper reads metrics, nothing else
+        authorize_lookup(principal, SCOPE_A)
+    else:
+        with pytest.raises(Forbidden):
+            authorize_lookup(principal, SCOPE_A)
+    instance = _principal({role}, {SCOPE_A}, {I1 if holder_ok else H2})
+    if role in (Role.INSTANCE, Role.CONTROLLER, Role.ADMIN) and holder_ok:
+        authorize_status(instance, status(I1))
+    else:
+        with pytest.raises(Forbidden):
+            authorize_status(instance, status(I1))
