@@ -147,12 +147,15 @@ def test_pure_modules_pull_in_no_framework_even_indirectly(name: str) -> None:
 #: and the shared configuration (auth, tenants, quotas, model) import no service
 LAYERS = {
     "core": ("kvsp.holder", "kvsp.index", "kvsp.instance", "kvsp.controller", "kvsp.integrations",
-             "kvsp.auth", "kvsp.tenants", "kvsp.quotas", "kvsp.model", "kvsp.web"),
-    "holder": ("kvsp.instance", "kvsp.controller", "kvsp.integrations"),
-    "index": ("kvsp.holder", "kvsp.instance", "kvsp.controller", "kvsp.integrations"),
-    "instance": ("kvsp.controller", "kvsp.integrations"),
-    "controller": ("kvsp.instance", "kvsp.integrations"),
-    "integrations": ("kvsp.controller",),
+             "kvsp.frontend", "kvsp.auth", "kvsp.tenants", "kvsp.quotas", "kvsp.model", "kvsp.web"),
+    "holder": ("kvsp.instance", "kvsp.controller", "kvsp.integrations", "kvsp.frontend"),
+    "index": ("kvsp.holder", "kvsp.instance", "kvsp.controller", "kvsp.integrations",
+              "kvsp.frontend"),
+    "instance": ("kvsp.controller", "kvsp.integrations", "kvsp.frontend"),
+    "controller": ("kvsp.instance", "kvsp.integrations", "kvsp.frontend"),
+    "integrations": ("kvsp.controller", "kvsp.frontend"),
+    # the front end calls the controller and streams from instances over HTTP
+    "frontend": ("kvsp.holder", "kvsp.index", "kvsp.instance", "kvsp.integrations"),
 }  # fmt: skip
 SHARED = ("auth.py", "tenants.py", "quotas.py", "model.py")
 

@@ -31,7 +31,10 @@ from kvsp.quotas import Quotas, parse_octets
 from kvsp.sim.scenario import DEFAULT_SCENARIO
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from kvsp.local import LocalCluster
+    from kvsp.web.openapi import Op
 
 __all__ = ["app", "main"]
 
@@ -447,7 +450,7 @@ def controller_serve_command(
     http_limit: HttpLimits = None,
 ) -> None:
     """Run the Placement Controller on HOST:PORT under /kvsp/."""
-    from kvsp.controller.app import create_app
+    from kvsp.controller.app import BODY_OCTETS, create_app
     from kvsp.controller.instances import InstancePolicy
     from kvsp.controller.placement import PlacementPolicy
     from kvsp.controller.service import ControllerConfig, ControllerService
@@ -468,13 +471,16 @@ def controller_serve_command(
     )
     principals = _principals(auth, host)
     service = ControllerService(config)
-    front = None
+    more: list[Op] = []
+    closing: list[Callable[[], Awaitable[None]]] = []
     if frontend:
-        from kvsp.controller.frontend import load_frontend
+        from kvsp.frontend.app import frontend_ops
+        from kvsp.frontend.service import load_frontend
         from kvsp.model import installed
 
         front = load_frontend(service, installed(None, block_tokens), config.instance_token)
-    _serve(create_app(service, principals, front), host, port, log_level, http_limit)
+        more, closing = frontend_ops(front, BODY_OCTETS), [front.aclose]
+    _serve(create_app(service, principals, more, closing), host, port, log_level, http_limit)
 
 
 @model_app.command("install")

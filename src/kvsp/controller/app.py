@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Annotated, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -14,7 +15,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvsp.auth import Principals, Role
-from kvsp.controller.frontend import FrontEnd, frontend_ops
 from kvsp.controller.service import OPERATOR_ROLES, ControllerService
 from kvsp.core.records import (
     MAX_KEYS_PER_REQUEST,
@@ -41,7 +41,7 @@ from kvsp.web.server import (
 __all__ = ["InstanceStateChange", "PlaceRequest", "ReshardRequest", "TtftReport", "create_app"]
 
 log = logging.getLogger("kvsp.controller")
-_BODY_OCTETS = 16 << 20
+BODY_OCTETS = 16 << 20
 
 
 class PlaceRequest(Record):
@@ -82,17 +82,21 @@ def _json(doc: Any, status: int = 200) -> Response:
 
 
 def create_app(
-    service: ControllerService, principals: Principals, frontend: FrontEnd | None = None
+    service: ControllerService,
+    principals: Principals,
+    more: Sequence[Op] = (),
+    closing: Sequence[Callable[[], Awaitable[None]]] = (),
 ) -> Starlette:
-    """The controller's routes, and the OpenAI-compatible front end when one is given."""
+    """The controller's routes, and ``more`` served beside them (the OpenAI-compatible front
+    end), whose ``closing`` steps run before the service closes."""
 
     async def close() -> None:
-        if frontend is not None:
-            await frontend.aclose()
+        for step in closing:
+            await step()
         await service.close()
 
     async def body(request: Request) -> bytes:
-        return await read_json_body(request, _BODY_OCTETS)
+        return await read_json_body(request, BODY_OCTETS)
 
     async def status(request: Request) -> Response:
         principal = principal_of(request.scope)
@@ -116,7 +120,7 @@ def create_app(
         principal = principal_of(request.scope)
         name = request.path_params["session"]
         doc = service.sessions.get_for(principal, name).to_json()
-        hints = None if service.session_hints is None else service.session_hints.get(name)
+        hints = None if service.hints is None else service.hints.table.get(name)
         if hints is not None:
             doc["hints"] = hints.to_json()
         return _json(doc)
@@ -243,7 +247,7 @@ def create_app(
         Op("GET", "healthz", healthz, "liveness", ANYONE, answers={200: HEALTH}),
         Op("GET", "metrics", metrics, "Prometheus text", METRICS_ROLES,
            answers={200: "text/plain"}),
-        *([] if frontend is None else frontend_ops(frontend, _BODY_OCTETS)),
+        *more,
     ]  # fmt: skip
     app = Starlette(
         routes=routes_of(base, "kvsp Placement Controller", ops, principals),

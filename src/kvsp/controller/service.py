@@ -17,16 +17,15 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, get_args
+from typing import Any, Protocol
 
 from kvsp.auth import Principal, Role, authorize
 from kvsp.controller.client import InstanceClient
 from kvsp.controller.forwarding import StatusForwarder
+from kvsp.controller.hint_sender import HintSender
 from kvsp.controller.hints import (
     HintPolicy,
     PinOrDemote,
-    PlannedHint,
-    SessionHints,
     SessionHintTable,
 )
 from kvsp.controller.instances import InstancePolicy, InstanceTable
@@ -42,8 +41,6 @@ from kvsp.controller.placement import (
 from kvsp.controller.reshard import ReshardCoordinator, ReshardResult, propose
 from kvsp.controller.sessions import CheckpointAnswer, SessionTable, resumers, sampler_for
 from kvsp.core.clock import Clock, SystemClock
-from kvsp.core.hints import HintOutcome, Reason, envelope
-from kvsp.core.hints import Outcome as HintResult
 from kvsp.core.ids import tenant_session
 from kvsp.core.problems import KvspError, NotFound, RecordError
 from kvsp.core.records import (
@@ -164,9 +161,6 @@ class ControllerService:
         self.clock = clock or SystemClock()
         self.instances = InstanceTable(self.clock, config.instances)
         self.sessions = SessionTable(config.max_sessions)
-        self.session_hints = (
-            None if config.hints is None else SessionHintTable(config.hints, config.max_sessions)
-        )
         self.reshards = ReshardCoordinator(self.clock)
         if index is None and config.index_url is not None:
             index = IndexClient(config.index_url, config.index_token)
@@ -178,6 +172,16 @@ class ControllerService:
         self.last_costs: dict[str, dict[str, Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.metrics = ControllerMetrics()
+        #: the hint policy's per-session state, and what sends its hints (None: no policy)
+        self.hints = (
+            None
+            if config.hints is None
+            else HintSender(
+                self.peers,
+                SessionHintTable(config.hints, config.max_sessions),
+                self.metrics.hint_outcomes,
+            )
+        )
         #: predicted cost of recent decisions, until their measured TTFT arrives
         self._predictions: OrderedDict[str, float] = OrderedDict()
 
@@ -390,12 +394,12 @@ class ControllerService:
             placement = dataclasses.replace(
                 placement, session_epoch=entry.epoch, sampler=first.sampler
             )
-            if self.session_hints is not None:
+            if self.hints is not None:
                 now = self.clock.now_ms()
-                planned = self.session_hints.turn_started(entry.session, entry.instance, now)
+                planned = self.hints.table.turn_started(entry.session, entry.instance, now)
                 if planned:  # the KV moves with the session, while the request is placed
                     self._background(
-                        self._send_hints(entry.session, planned),
+                        self.hints.send(entry.session, planned),
                         f"hints for session {entry.session}",
                     )
         return placement
@@ -428,12 +432,12 @@ class ControllerService:
         authorize(principal, OPERATOR_ROLES)
         entry = self.sessions.get_for(principal, session)
         entry.turn_done = True
-        if self.session_hints is None:
+        if self.hints is None:
             return []
-        planned = self.session_hints.turn_ended(
+        planned = self.hints.table.turn_ended(
             session, entry.instance, self.clock.now_ms(), tool_call, expected_gap_ms
         )
-        return await self._send_hints(session, planned)
+        return await self.hints.send(session, planned)
 
     async def end_session(self, principal: Principal, session: str) -> list[dict[str, Any]]:
         """The session is over: the policy's last hints, then the instance forgets it."""
@@ -441,9 +445,9 @@ class ControllerService:
         self.sessions.get_for(principal, session)
         entry = self.sessions.close(session)
         outcomes: list[dict[str, Any]] = []
-        if self.session_hints is not None:
-            hints, planned = self.session_hints.ended(session)
-            outcomes = await self._send_hints(session, planned, hints)
+        if self.hints is not None:
+            ended, planned = self.hints.table.ended(session)
+            outcomes = await self.hints.send(session, planned, ended)
         try:
             await self.peers.end_session(entry.instance, session)
         except KvspError as exc:
@@ -454,8 +458,8 @@ class ControllerService:
         """A request's own session is done: the controller and its instance forget it, with
         no hints (nothing will come back to it)."""
         entry = self.sessions.close(session)
-        if self.session_hints is not None:
-            self.session_hints.forget(session)
+        if self.hints is not None:
+            self.hints.table.forget(session)
         self._background(
             self.peers.end_session(entry.instance, session),
             f"session {session} not ended at {entry.instance}",
@@ -473,31 +477,6 @@ class ControllerService:
             self.peers.end_session(entry.instance, session),
             f"session {session} not stopped at {entry.instance}",
         )
-
-    async def _send_hints(
-        self, session: str, planned: Sequence[PlannedHint], entry: SessionHints | None = None
-    ) -> list[dict[str, Any]]:
-        """One envelope per instance; an instance that does not answer defers every action."""
-        table = self.session_hints
-        entry = entry or (None if table is None else table.get(session))
-        outcomes: list[dict[str, Any]] = []
-        for hint in planned:
-            sent = envelope([(hint.action_type, hint.payload)])
-            try:
-                [outcome] = await self.peers.hints(hint.instance, sent)
-            except (KvspError, ValueError) as exc:
-                reason = exc.detail if isinstance(exc, KvspError) else str(exc)
-                (action,) = sent.actions
-                unanswered = HintOutcome(action.action_id, action.action_type, "deferred")
-                unanswered.note("deferred", Reason.UNREACHABLE, f"{hint.instance}: {reason}")
-                outcome = unanswered.to_json()
-            said = outcome.get("outcome")
-            known = said if said in get_args(HintResult) else "invalid"
-            self.metrics.hint_outcomes.labels(hint.action_type, known).inc()
-            if table is not None and entry is not None:
-                table.outcome(entry, hint, outcome)
-            outcomes.append({"instance": hint.instance, **outcome})
-        return outcomes
 
     def observe_ttft(self, principal: Principal, decision_id: str, ttft_us: float) -> float:
         """The measured time to first token of a placed request; returns the prediction."""
