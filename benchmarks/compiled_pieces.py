@@ -1,0 +1,245 @@
+"""Does each hand-made piece pay? Paired measurements of the end-to-end figure it serves, with
+the piece and without it, in interleaved rounds of one run. Prints one JSON line.
+
+- ``_sha256`` (two SHA-256 lanes at a time, hashing as octets arrive) serves block GETs: a
+  client fetching a 737,780-octet block from ``kvsp holder serve``, every digest verified,
+  MB/s. Without it: ``hashlib``, the fallback a build without a C compiler uses.
+- ``pack_keys`` (a JSON key-array scanner in C), ``ExactRoutes`` (a few routes served ahead of
+  Starlette's router and middleware) and the held writes of ``kvsp.web.serving`` (a response's
+  head and body in one send) serve Index Service lookups over HTTP: 64-key lookups that all
+  hit, 100,000 records loaded, 8 connections, lookups per second. Without each: its fallback
+  (msgspec and ``bytes.fromhex``; Starlette's router; uvicorn's own writes).
+
+Each server or client runs in a process of its own, started with or without the piece; the
+rounds alternate between the two, and the figure is the median of the paired ratios
+(with / without). A piece is worth keeping at a gain of 1.10 or more (the noise on these
+machines is about 10 %). The limit named: the same figure without the piece, same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+ROUNDS = 5
+ROUND_S = 1.5
+KEEP_AT = 1.10
+RECORDS = 100_000
+CONNECTIONS = 8
+
+#: how each piece is taken away in a process of its own (before kvsp is imported)
+WITHOUT = {
+    "sha256": "import sys; sys.modules['kvsp.core._sha256'] = None",
+    "pack_keys": "import kvsp.index.queries as q; q.pack_keys = lambda raw: None",
+    "exact_routes": (
+        "import kvsp.web.server as s; s.ExactRoutes._endpoint = lambda self, scope: None"
+    ),
+    "held_writes": "import kvsp.web.serving as s; s.HeldWrites = lambda transport, loop: transport",
+}
+
+
+def _python(piece: str | None, *args: str) -> list[str]:
+    prelude = "pass" if piece is None else WITHOUT[piece]
+    script = f"{prelude}; import runpy, sys; sys.argv = {[__file__, *args]!r}; "
+    script += f"runpy.run_path({__file__!r}, run_name='__main__')"
+    return [sys.executable, "-c", script]
+
+
+# -- the block GET figure -----------------------------------------------------------------------
+
+
+async def _get_rate(records_file: str) -> float:
+    from kvsp.core.records import ReplicaRecord
+    from kvsp.holder.client import HolderClient
+
+    records = [ReplicaRecord.parse(r) for r in json.loads(Path(records_file).read_text())]
+    async with HolderClient() as client:
+        await client.get(records[0])  # the connection, and the first allocations
+        octets, start, n = 0, time.perf_counter(), 0
+        while time.perf_counter() - start < ROUND_S:
+            octets += (await client.get(records[n % len(records)])).size
+            n += 1
+        elapsed = time.perf_counter() - start
+    return octets / elapsed / 1e6
+
+
+async def _store_blocks(base: str, path: Path) -> None:
+    from benchmarks.holder_transfer import COMPAT, SCOPE, SHAPES, make_container
+    from kvsp.holder.client import HolderClient
+
+    _, layers, section = SHAPES[0]
+    records = []
+    async with HolderClient() as client:
+        for n in range(16):
+            container = make_container(n, layers, section)
+            block = (COMPAT, SCOPE, container.sha256().hex())
+            record = await client.put(base, block, container)
+            records.append(record.model_dump_json(exclude_none=True))
+    path.write_text(json.dumps(records))
+
+
+def block_gets() -> float:
+    """The median gain of ``_sha256`` on block GETs."""
+    from tests.servers import Service, free_port
+
+    port = free_port()
+    holder = Service(
+        "holder", "serve", "--url", f"http://127.0.0.1:{port}/kvsp/", "--host-bytes", "1G",
+        "--log-level", "warning", port=port,
+    ).start()  # fmt: skip
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            records = Path(folder) / "records.json"
+            asyncio.run(_store_blocks(holder.base_url, records))
+            ratios = []
+            for _ in range(ROUNDS):
+                with_it, without = (
+                    float(subprocess.run(_python(piece, "get", str(records)), check=True,
+                                         capture_output=True, text=True).stdout)
+                    for piece in (None, "sha256")
+                )  # fmt: skip
+                ratios.append(with_it / without)
+            return statistics.median(ratios)
+    finally:
+        holder.stop()
+
+
+# -- the lookup figure --------------------------------------------------------------------------
+
+
+def _serve_index(port: int) -> None:
+    import uvicorn
+
+    from benchmarks.index_lookup import COMPAT, LIMITS, SCOPE, records, template
+    from kvsp.auth import Principals
+    from kvsp.core.clock import SystemClock
+    from kvsp.index.app import create_app
+    from kvsp.index.service import IndexService
+    from kvsp.index.stores import MemoryReplicaStore
+    from kvsp.web.serving import uvicorn_config
+
+    del COMPAT, SCOPE
+    store = MemoryReplicaStore(SystemClock(), LIMITS)
+    base = template(False)
+    for start in range(0, RECORDS, 10_000):
+        store.table.publish_many(records(start, start + 10_000, base))
+    app = create_app(IndexService(store), Principals.development_mode())
+    uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "error", lifespan="on")).run()
+
+
+def _lookup_body(n: int) -> bytes:
+    from benchmarks.index_lookup import COMPAT, PROMPT_BLOCKS, SCOPE, block_key
+
+    first = (n * 7919) % (RECORDS - PROMPT_BLOCKS)
+    keys = [block_key(k) for k in range(first, first + PROMPT_BLOCKS)]
+    return json.dumps({"scope_id": SCOPE, "compat_id": COMPAT, "block_keys": keys}).encode()
+
+
+async def _lookup_rate(base: str, bodies: list[bytes]) -> float:
+    from kvsp.web.http1 import Http1Client
+
+    client = Http1Client(CONNECTIONS)
+    done = 0
+    deadline = time.perf_counter() + ROUND_S
+    headers = {"content-type": "application/json"}
+
+    async def one(offset: int) -> None:
+        nonlocal done
+        n = offset
+        while time.perf_counter() < deadline:
+            body = (bodies[n % len(bodies)],)
+            async with client.request("POST", base + "lookup", headers=headers, body=body) as r:
+                answer = await r.read(1 << 20)
+            if r.status != 200 or not answer.startswith(b'{"matched":64'):
+                raise RuntimeError(f"not a full hit: {answer[:80]!r}")
+            done += 1
+            n += CONNECTIONS
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(CONNECTIONS)))
+    elapsed = time.perf_counter() - start
+    await client.aclose()
+    return done / elapsed
+
+
+@contextlib.contextmanager
+def _index(piece: str | None) -> Iterator[str]:
+    from tests.servers import free_port
+
+    port = free_port()
+    process = subprocess.Popen(_python(piece, "serve-index", str(port)))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
+                break
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError(f"the index {'without ' + piece if piece else ''} did not start")
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}/kvsp/"
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def lookups(piece: str) -> float:
+    """The median gain of ``piece`` on lookups over HTTP."""
+    bodies = [_lookup_body(n) for n in range(256)]
+    with _index(None) as with_it, _index(piece) as without:
+        asyncio.run(_lookup_rate(with_it, bodies[:8]))  # warm both
+        asyncio.run(_lookup_rate(without, bodies[:8]))
+        ratios = [
+            asyncio.run(_lookup_rate(with_it, bodies)) / asyncio.run(_lookup_rate(without, bodies))
+            for _ in range(ROUNDS)
+        ]
+    return statistics.median(ratios)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("role", nargs="?", default="run", choices=["run", "get", "serve-index"])
+    parser.add_argument("arg", nargs="?")
+    args = parser.parse_args()
+    if args.role == "get":
+        print(asyncio.run(_get_rate(args.arg)))
+        return
+    if args.role == "serve-index":
+        _serve_index(int(args.arg))
+        return
+    gains = {"sha256": block_gets()}
+    for piece in ("pack_keys", "exact_routes", "held_writes"):
+        gains[piece] = lookups(piece)
+    print(
+        json.dumps(
+            {
+                "benchmark": "compiled_pieces",
+                "limit": "the same end-to-end figure without the piece, same run, paired rounds",
+                "keep_at_gain": KEEP_AT,
+                "figures": {
+                    "sha256": "block GET MB/s, 737,780-octet block, 1 client, digests verified",
+                    "pack_keys": "64-key lookups/s over HTTP, 8 connections",
+                    "exact_routes": "64-key lookups/s over HTTP, 8 connections",
+                    "held_writes": "64-key lookups/s over HTTP, 8 connections",
+                },
+                "gain": {piece: round(gain, 3) for piece, gain in gains.items()},
+                "keep": {piece: gain >= KEEP_AT for piece, gain in gains.items()},
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
