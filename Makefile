@@ -46,12 +46,9 @@ bench-deps: setup
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null; }
 
 bench: bench-deps
-	$(PY) benchmarks/block_keys.py
-	$(PY) benchmarks/container.py
-	$(PY) benchmarks/index_lookup.py
-	$(PY) benchmarks/holder_transfer.py
-	$(PY) benchmarks/placement.py
-	$(PY) benchmarks/engine_reuse.py
-	$(PY) benchmarks/session_index.py
-	$(PY) benchmarks/agentic_hints.py
-	$(PY) benchmarks/vllm_connector.py
+	@rm -f .bench.out .bench.line
+	for script in block_keys container index_lookup holder_transfer placement engine_reuse \
+		session_index agentic_hints vllm_connector compiled_pieces; do \
+		$(PY) benchmarks/$$script.py > .bench.line || exit 1; cat .bench.line >> .bench.out; \
+		tail -n 1 .bench.line; done
+	$(PY) benchmarks/record.py .bench.out

@@ -8,7 +8,9 @@ import logging
 import socket
 import subprocess
 import sys
+import tomllib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -189,3 +191,25 @@ def test_a_logged_value_cannot_forge_a_line() -> None:
         )
     text = formatter.format(failed)
     assert text.startswith("failed\\x0a\nTraceback")
+
+
+def test_the_private_uvicorn_api_served_on_is_the_tested_one() -> None:
+    """``HttpProtocol`` builds on uvicorn's ``HttpToolsProtocol``: the installed uvicorn is in
+    the range pyproject.toml pins, and every method overridden is still there."""
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from kvsp.web.serving import HttpProtocol
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    pinned = next(
+        Requirement(r) for r in project["project"]["optional-dependencies"]["server"]
+        if r.startswith("uvicorn")
+    )  # fmt: skip
+    assert version("uvicorn") in pinned.specifier
+    overridden = {n for n in vars(HttpProtocol) if callable(vars(HttpProtocol)[n])} - {"__init__"}
+    assert overridden
+    for name in overridden - {n for n in vars(HttpProtocol) if n.startswith("_")}:
+        assert hasattr(HttpToolsProtocol, name), name
