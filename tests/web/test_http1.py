@@ -20,7 +20,7 @@ from starlette.routing import Route
 from kvsp.core.problems import InvalidInput, PeerTimeout, PeerUnreachable
 from kvsp.core.problems import PeerAnswerTooLarge as BodyTooLarge
 from kvsp.core.problems import PeerProtocolError as ProtocolError
-from kvsp.web.http1 import ChunkedDecoder, Http1Client, ResponseHead, parse_head
+from kvsp.web.http1 import ChunkedDecoder, Http1Client, ResponseHead, ResponseReader, parse_head
 from tests.servers import free_port, serving
 
 # -- pure parts ------------------------------------------------------------------------------------
@@ -118,6 +118,69 @@ def test_chunked_decoding_is_independent_of_how_octets_arrive(
 def test_malformed_chunked_bodies_are_protocol_errors(encoded: bytes) -> None:
     with pytest.raises(ProtocolError):
         ChunkedDecoder().feed(memoryview(encoded))
+
+
+def _read(method: str, answer: bytes, step: int) -> tuple[ResponseReader, bytes, int]:
+    """Feed ``answer`` to a reader ``step`` octets at a time, as a connection would: the head
+    from a buffer of what came so far, then the body; (reader, body, octets left over)."""
+    reader = ResponseReader(method)
+    pending = bytearray()
+    body = bytearray()
+    for at in range(0, len(answer), step):
+        pending += answer[at : at + step]
+        if reader.state == "head":
+            del pending[: reader.take_head(pending)]
+        if reader.state == "body" and pending:
+            pieces, used = reader.take_body(memoryview(bytes(pending)))
+            body += b"".join(pieces)
+            del pending[:used]
+    return reader, bytes(body), len(pending)
+
+
+ANSWERS = [
+    ("GET", b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello", b"hello", "length"),
+    ("GET", b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early\r\nLink: x\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", b"ok", "length"),
+    ("GET", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"3;x=y\r\nabc\r\n2\r\nde\r\n0\r\nTrailer: t\r\n\r\n", b"abcde", "chunked"),
+    ("HEAD", b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n", b"", "none"),
+    ("GET", b"HTTP/1.1 204 No Content\r\n\r\n", b"", "none"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "answer", "body", "framing"), ANSWERS)
+@pytest.mark.parametrize("step", [1, 2, 7, 1 << 16])
+def test_the_reader_frames_an_answer_however_its_octets_arrive(
+    method: str, answer: bytes, body: bytes, framing: str, step: int
+) -> None:
+    reader, got, left = _read(method, answer, step)
+    assert (reader.state, reader.framing, got, left) == ("done", framing, body, 0)
+    assert reader.head is not None
+    assert reader.head.status in (200, 204)
+
+
+def test_a_close_delimited_body_ends_with_the_connection_and_nothing_else_does() -> None:
+    reader, got, _ = _read("GET", b"HTTP/1.0 200 OK\r\n\r\npart", 1)
+    assert (reader.state, reader.framing, got) == ("body", "close", b"part")
+    reader.closed()
+    assert reader.state == "done"
+    cut, _, _ = _read("GET", b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\npart", 1)
+    with pytest.raises(ProtocolError, match="mid-answer"):
+        cut.closed()
+    switched = ResponseReader("GET")
+    with pytest.raises(ProtocolError, match="switched"):
+        switched.take_head(b"HTTP/1.1 101 Switching Protocols\r\n\r\n")
+
+
+def test_octets_after_the_answer_are_left_over_and_a_sized_body_may_skip_the_reader() -> None:
+    reader, got, left = _read("GET", b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA", 64)
+    assert (reader.state, got, left) == ("done", b"ok", 5)
+    direct = ResponseReader("GET")
+    direct.take_head(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n")
+    direct.received(4)  # octets that went straight into the caller's buffer
+    assert (direct.state, direct.left, direct.content_length) == ("body", 6, 10)
+    direct.received(6)
+    assert direct.state == "done"
 
 
 # -- against servers -------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ Chunked and close-delimited bodies are decoded from a small scratch buffer and c
 
 It does what kvsp's clients need and no more: one request at a time per connection,
 keep-alive pools per origin with a connection limit, TLS, 1xx answers skipped, heads and bodies
-bounded, one deadline per request. The framing rules are RFC 9112's (section 6.3). Its
+bounded, one deadline per request. The framing rules are RFC 9112's (section 6.3), all of them
+in the sans-IO ``ResponseReader`` (with ``parse_head`` and ``ChunkedDecoder``); the connection
+is a thin ``BufferedProtocol`` shell that owns the buffers, the socket and the waiting. Its
 failures are the error tree's transport branch: ``PeerUnreachable`` (no connection),
 ``PeerTimeout`` (no complete answer in time), ``PeerProtocolError`` (an answer that breaks the
 framing or broke off; ``PeerAnswerTooLarge`` for a body above the caller's buffer), and
@@ -42,6 +44,7 @@ __all__ = [
     "Http1Client",
     "Response",
     "ResponseHead",
+    "ResponseReader",
     "parse_head",
 ]
 
@@ -167,6 +170,87 @@ class ChunkedDecoder:
         return out, pos
 
 
+ReaderState = Literal["head", "body", "done"]
+
+
+class ResponseReader:
+    """One response, sans-IO: the head found in the octets given (interim answers skipped),
+    then where the body's octets end (RFC 9112 6.3). Every framing rule is here, so it is
+    tested a byte at a time; the connection owns the buffers and the socket.
+
+    States: ``head`` (waiting for the final head) -> ``body`` -> ``done``; a body-less answer
+    goes from ``head`` to ``done``. A sized body may arrive in the caller's buffer without
+    passing through here (``received``)."""
+
+    __slots__ = ("_decoder", "content_length", "framing", "head", "left", "method", "state")
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.state: ReaderState = "head"
+        self.head: ResponseHead | None = None
+        self.framing: Framing = "none"
+        #: octets of a sized body still to come
+        self.left = 0
+        #: the body's length when the head states it
+        self.content_length: int | None = None
+        self._decoder: ChunkedDecoder | None = None
+
+    def take_head(self, data: bytes | bytearray, stop: int | None = None) -> int:
+        """How many octets of ``data`` (up to ``stop``) were interim answers and the final
+        head (0 until a whole head is in)."""
+        stop = len(data) if stop is None else stop
+        used = 0
+        while self.state == "head":
+            end = data.find(b"\r\n\r\n", used, stop)
+            if end < 0:
+                break
+            head = parse_head(bytes(data[used:end]))
+            used = end + 4
+            if head.status == 101:
+                raise PeerProtocolError("the peer switched protocols")
+            if head.status < 200:
+                continue  # 100 Continue, 103 Early Hints: the answer follows
+            self.head = head
+            self.framing, self.left = head.framing(self.method)
+            if self.framing in ("length", "none"):
+                self.content_length = self.left
+            if self.framing == "chunked":
+                self._decoder = ChunkedDecoder()
+            self.state = "done" if self.framing == "none" else "body"
+        return used
+
+    def take_body(self, data: memoryview) -> tuple[list[memoryview], int]:
+        """The body's octets in ``data`` (views of it), and how many octets were used: all of
+        them unless the body ended inside ``data``."""
+        if self.state != "body":
+            return [], 0
+        if self.framing == "length":
+            take = min(len(data), self.left)
+            self.received(take)
+            return [data[:take]], take
+        if self.framing == "chunked":
+            assert self._decoder is not None
+            pieces, used = self._decoder.feed(data)
+            if self._decoder.done:
+                self.state = "done"
+            return pieces, used
+        return [data], len(data)  # close-delimited: everything until the peer closes
+
+    def received(self, count: int) -> None:
+        """``count`` octets of a sized body arrived in the caller's buffer."""
+        self.left -= count
+        if not self.left:
+            self.state = "done"
+
+    def closed(self) -> None:
+        """The peer closed the connection: a close-delimited body ends there; any other
+        answer is cut off."""
+        if self.state == "body" and self.framing == "close":
+            self.state = "done"
+        elif self.state != "done":
+            raise PeerProtocolError("the peer closed the connection mid-answer")
+
+
 class _Connection(asyncio.BufferedProtocol):
     """One connection, one request at a time. The loop calls ``get_buffer``/``buffer_updated``;
     the requesting task waits on ``_waiter``, which every event wakes."""
@@ -183,7 +267,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._reset("GET", None)
 
     def _reset(self, method: str, offered: memoryview | None) -> None:
-        self._method = method
+        self._reader = ResponseReader(method)
         #: the request's sink: a 2xx body with a length that fits goes there as it arrives
         self._offered = offered
         #: whether the body goes to the request's sink (decided when the head arrived)
@@ -193,17 +277,23 @@ class _Connection(asyncio.BufferedProtocol):
         #: told, on the loop, how many octets are in the sink each time more have arrived
         self._on_arrival: Callable[[int], None] | None = None
         self._error: BaseException | None = None
-        self.head: ResponseHead | None = None
-        self._framing: Framing = "none"
-        self._left = 0
-        #: the body's length when the head states it
-        self.content_length: int | None = None
         self._sink: memoryview | None = None
         self._in_sink = False
         self._filled = 0
-        self._decoder: ChunkedDecoder | None = None
-        self.body_done = False
         self.started = False
+
+    @property
+    def head(self) -> ResponseHead | None:
+        return self._reader.head
+
+    @property
+    def content_length(self) -> int | None:
+        """The body's length when the head states it."""
+        return self._reader.content_length
+
+    @property
+    def body_done(self) -> bool:
+        return self._reader.state == "done"
 
     # -- loop callbacks ----------------------------------------------------------------------------
 
@@ -211,9 +301,10 @@ class _Connection(asyncio.BufferedProtocol):
         self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._sink is not None and self._framing == "length" and self._left:
+        reader = self._reader
+        if self._sink is not None and reader.framing == "length" and reader.left:
             self._in_sink = True
-            return self._sink[self._filled : self._filled + self._left]
+            return self._sink[self._filled : self._filled + reader.left]
         self._in_sink = False
         if self._fill == len(self._scratch):  # a head above the limit: nothing more is read
             self._fail(PeerProtocolError(f"response head above {HEAD_LIMIT} octets"))
@@ -224,9 +315,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.started = True
         if self._in_sink:
             self._filled += nbytes
-            self._left -= nbytes
-            if not self._left:
-                self._end_body()
+            self._reader.received(nbytes)
+            if self.body_done:
+                self._body_ended()
             if self._on_arrival is not None:
                 self._on_arrival(self._filled)
             if self._progress or self.body_done:
@@ -239,17 +330,22 @@ class _Connection(asyncio.BufferedProtocol):
             self._fail(exc)
 
     def eof_received(self) -> bool:
-        if self._framing == "close" and self._sink is not None:
-            self._end_body()
-        elif not self.body_done:
-            self._fail(PeerProtocolError("the peer closed the connection mid-answer"))
+        try:
+            if self._sink is None and not self.body_done:  # nowhere for a body to end yet
+                raise PeerProtocolError("the peer closed the connection mid-answer")
+            self._reader.closed()
+        except PeerProtocolError as exc:
+            self._fail(exc)
+        else:
+            self._body_ended()
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if not self.body_done and self._error is None:
-            if self._framing == "close" and self._sink is not None and exc is None:
-                self._end_body()
+            if self._reader.framing == "close" and self._sink is not None and exc is None:
+                self._reader.closed()
+                self._body_ended()
             else:
                 self._error = PeerProtocolError(f"connection lost: {exc!r}")
         self._wake()
@@ -267,29 +363,21 @@ class _Connection(asyncio.BufferedProtocol):
     # -- parsing -----------------------------------------------------------------------------------
 
     def _process(self) -> None:
-        while self.head is None:
-            end = self._scratch.find(b"\r\n\r\n", 0, self._fill)
-            if end < 0:
+        reader = self._reader
+        if reader.state == "head":
+            used = reader.take_head(self._scratch, self._fill)
+            if used:
+                self._consume(used)
+            head = reader.head
+            if head is None:
                 return
-            head = parse_head(bytes(self._view[:end]))
-            self._consume(end + 4)
-            if head.status == 101:
-                raise PeerProtocolError("the peer switched protocols")
-            if head.status < 200:
-                continue  # 100 Continue, 103 Early Hints: the answer follows
-            self.head = head
-            self._framing, self._left = head.framing(self._method)
-            if self._framing in ("length", "none"):
-                self.content_length = self._left
-            if self._framing == "chunked":
-                self._decoder = ChunkedDecoder()
-            if self._framing == "none":
-                self._end_body()
+            if self.body_done:  # a body-less answer
+                self._body_ended()
             elif (
                 self._offered is not None
-                and self._framing == "length"
+                and reader.framing == "length"
                 and 200 <= head.status < 300
-                and self._left <= len(self._offered)
+                and reader.left <= len(self._offered)
             ):
                 self._sink = self._offered
                 self.in_offered = True
@@ -315,24 +403,11 @@ class _Connection(asyncio.BufferedProtocol):
     def _drain_scratch(self) -> None:
         """Move body octets waiting in the scratch buffer into the sink."""
         data = self._view[: self._fill]
-        used = len(data)
+        pieces, used = self._reader.take_body(data)
+        for piece in pieces:
+            self._put(piece)
         if self.body_done:
-            used = 0
-        elif self._framing == "length":
-            used = min(used, self._left)
-            self._put(data[:used])
-            self._left -= used
-            if not self._left:
-                self._end_body()
-        elif self._framing == "chunked":
-            assert self._decoder is not None
-            pieces, used = self._decoder.feed(data)
-            for piece in pieces:
-                self._put(piece)
-            if self._decoder.done:
-                self._end_body()
-        else:
-            self._put(data)
+            self._body_ended()
         if used < len(data):
             raise PeerProtocolError(f"{len(data) - used} octets after the end of the answer")
         self._fill = 0
@@ -340,8 +415,8 @@ class _Connection(asyncio.BufferedProtocol):
             self._on_arrival(self._filled)
         self._wake()
 
-    def _end_body(self) -> None:
-        self.body_done = True
+    def _body_ended(self) -> None:
+        """The reader says the body is over: nothing more goes to the sink, no deadline."""
         self._sink = None
         self._in_sink = False
         if self._deadline is not None:
@@ -378,7 +453,7 @@ class _Connection(asyncio.BufferedProtocol):
             and self._fill == 0
             and head is not None
             and head.keep_alive()
-            and self._framing != "close"
+            and self._reader.framing != "close"
         )
 
     async def _wait(self) -> None:
@@ -422,8 +497,9 @@ class _Connection(asyncio.BufferedProtocol):
             return
         if sink is None:
             raise ValueError("the body does not go to the request's sink: name a sink")
-        if self._framing == "length" and self._left > len(sink):
-            error = PeerAnswerTooLarge(f"response body of {self._left} octets above {len(sink)}")
+        reader = self._reader
+        if reader.framing == "length" and reader.left > len(sink):
+            error = PeerAnswerTooLarge(f"response body of {reader.left} octets above {len(sink)}")
             self._fail(error)
             raise error
         if not self.body_done:
