@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,6 +27,7 @@ from kvsp.core.problems import (
     ServiceUnavailable,
 )
 from kvsp.core.records import LeaseRequest, ReplicaRecord
+from kvsp.holder.client import HolderClient
 from kvsp.holder.service import HolderConfig, HolderService, parse_index_routes
 from kvsp.index.client import IndexClient
 from kvsp.web.server import InflightOctets
@@ -659,3 +661,29 @@ async def test_a_callers_own_error_is_not_taken_for_an_unreachable_holder(env: E
     with pytest.raises(ServiceUnavailable, match="unreachable"):
         async with client._request("GET", "http://127.0.0.1:1/kvsp/", "healthz"):
             pass
+
+
+async def test_the_client_runs_over_any_transport_given(env: Env, tmp_path: Path) -> None:
+    """The transport seam: the same holder, served in this process on a Unix socket, stores
+    and serves a verified block to a client that connects there (no TCP port involved)."""
+    import uvicorn
+
+    from kvsp.web.http1 import unix_socket
+    from kvsp.web.serving import uvicorn_config
+
+    socket_path = str(tmp_path / "holder.sock")
+    config = uvicorn_config(env.app, "127.0.0.1", 0, "warning", lifespan="off")
+    config.uds = socket_path
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    client = HolderClient("c1", transport=unix_socket(socket_path))
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        nowhere = "http://127.0.0.1:1/kvsp/"  # no TCP port: only the socket can answer
+        record = await client.put(nowhere, block_id(7), container(7))
+        assert (await client.get(record)).tobytes() == container(7).tobytes()
+    finally:
+        await client.aclose()
+        server.should_exit = True
+        await task

@@ -43,7 +43,7 @@ from kvsp.core.registries import BLOCK_MEDIA_TYPE, JSON_MEDIA_TYPE
 from kvsp.core.urls import canonical_url
 from kvsp.holder.blocks import MAX_BLOCK_OCTETS, BlockId, block_ref
 from kvsp.web.client import ClosingClient, auth_headers, problem_for
-from kvsp.web.http1 import Http1Client, Response
+from kvsp.web.http1 import Http1Client, Response, Transport
 
 __all__ = ["ArrivalChecks", "BlockReceiver", "HolderClient", "MoqtSkips", "fetchable"]
 
@@ -264,10 +264,15 @@ class HolderClient(ClosingClient):
     a thread per core (hashing is all the work they do, so more would only take turns)."""
 
     def __init__(
-        self, token: str | None = None, timeout_s: float = 30.0, connections: int = 64
+        self,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        connections: int = 64,
+        transport: Transport | None = None,
     ) -> None:
+        """``transport``: how connections are made (TCP unless given; ``http1.unix_socket``)."""
         self._timeout_s = timeout_s
-        self._http = Http1Client(connections, auth_headers(token))
+        self._http = Http1Client(connections, auth_headers(token), transport)
         self._workers = ThreadPoolExecutor(os.cpu_count() or 1, "kvsp-block-checks")
         #: blocks being received by ``get`` now
         self._receiving = 0

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import re
 import ssl
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal, cast
@@ -45,7 +45,10 @@ __all__ = [
     "Response",
     "ResponseHead",
     "ResponseReader",
+    "Transport",
     "parse_head",
+    "tcp",
+    "unix_socket",
 ]
 
 #: the most octets a response head (status line and fields) may take
@@ -585,12 +588,49 @@ def _check_fields(fields: Mapping[str, str]) -> None:
             raise InvalidInput(f"control characters in the header {pair[0]!r}")
 
 
+#: makes a connection to an origin for a protocol (the seam a test or another socket type uses)
+Transport = Callable[
+    [Origin, ssl.SSLContext | None, Callable[[], "_Connection"]], Awaitable["_Connection"]
+]
+
+
+async def tcp(
+    origin: Origin, tls: ssl.SSLContext | None, protocol: Callable[[], _Connection]
+) -> _Connection:
+    """A TCP connection to the origin's host and port (TLS when given a context)."""
+    _, host, port = origin
+    _, connected = await asyncio.get_running_loop().create_connection(protocol, host, port, ssl=tls)
+    return connected
+
+
+def unix_socket(path: str) -> Transport:
+    """Connections to a Unix socket at ``path``, whatever the URL's host (a holder on the same
+    machine, or a service a test serves in its own process without a TCP port)."""
+
+    async def connect(
+        origin: Origin, tls: ssl.SSLContext | None, protocol: Callable[[], _Connection]
+    ) -> _Connection:
+        _, connected = await asyncio.get_running_loop().create_unix_connection(
+            protocol, path, ssl=tls, server_hostname=origin[1] if tls else None
+        )
+        return connected
+
+    return connect
+
+
 class Http1Client:
     """Keep-alive connection pools per origin (scheme, host, port), at most ``connections``
     open to each; requests beyond that wait for a connection to come free."""
 
-    def __init__(self, connections: int = 64, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        connections: int = 64,
+        headers: Mapping[str, str] | None = None,
+        transport: Transport | None = None,
+    ) -> None:
         self._limit = connections
+        #: how a connection to an origin is made: TCP (and TLS for https) unless given
+        self._transport = transport or tcp
         _check_fields(headers or {})
         self._headers = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self._idle: dict[Origin, list[_Connection]] = {}
@@ -613,10 +653,9 @@ class Http1Client:
             if self._tls is None:
                 self._tls = ssl.create_default_context()
             tls = self._tls
-        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout_s):
-                _, protocol = await loop.create_connection(_Connection, host, port, ssl=tls)
+                protocol = await self._transport(origin, tls, _Connection)
         except TimeoutError:
             raise PeerTimeout(f"no connection to {host}:{port} within {timeout_s} s") from None
         except OSError as exc:  # refused, no route, no such name, TLS refused
