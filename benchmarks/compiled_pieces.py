@@ -93,13 +93,9 @@ async def _store_blocks(base: str, path: Path) -> None:
 
 def block_gets() -> float:
     """The median gain of ``_sha256`` on block GETs."""
-    from tests.servers import Service, free_port
+    from benchmarks.holder_transfer import holder_service
 
-    port = free_port()
-    holder = Service(
-        "holder", "serve", "--url", f"http://127.0.0.1:{port}/kvsp/", "--host-bytes", "1G",
-        "--log-level", "warning", port=port,
-    ).start()  # fmt: skip
+    holder = holder_service()
     try:
         with tempfile.TemporaryDirectory() as folder:
             records = Path(folder) / "records.json"

@@ -215,15 +215,20 @@ async def holder_and_redis(
     return out
 
 
+def holder_service() -> Service:
+    """``kvsp holder serve`` on a free port with 2 GB of host memory, started."""
+    port = free_port()
+    return Service(
+        "holder", "serve", "--url", f"http://127.0.0.1:{port}/kvsp/", "--host-bytes", "2G",
+        "--log-level", "warning", port=port,
+    ).start()  # fmt: skip
+
+
 def main() -> None:
     results: dict[str, object] = {}
     meets = reachable = True
     redis_server = RedisServer().start()
-    port = free_port()
-    holder = Service(
-        "holder", "serve", "--url", f"http://127.0.0.1:{port}/kvsp/", "--host-bytes", "2G",
-        "--log-level", "warning", port=port,
-    ).start()  # fmt: skip
+    holder = holder_service()
     try:
         for s, (name, layers, section) in enumerate(SHAPES):
             containers = [make_container(1000 * s + n, layers, section) for n in range(BLOCKS)]
