@@ -4,11 +4,13 @@ the piece and without it, in interleaved rounds of one run. Prints one JSON line
 - ``_sha256`` (two SHA-256 lanes at a time, hashing as octets arrive) serves block GETs: a
   client fetching a 737,780-octet block from ``kvsp holder serve``, every digest verified,
   MB/s. Without it: ``hashlib``, the fallback a build without a C compiler uses.
-- ``pack_keys`` (a JSON key-array scanner in C), ``ExactRoutes`` (a few routes served ahead of
-  Starlette's router and middleware) and the held writes of ``kvsp.web.serving`` (a response's
-  head and body in one send) serve Index Service lookups over HTTP: 64-key lookups that all
-  hit, 100,000 records loaded, 8 connections, lookups per second. Without each: its fallback
-  (msgspec and ``bytes.fromhex``; Starlette's router; uvicorn's own writes).
+- the compiled block table (``index/_keytable.c``, with ``pack_keys`` and the key checks),
+  ``pack_keys`` alone (a JSON key-array scanner in C) and the held writes of
+  ``kvsp.web.serving`` (a response's head and body in one send) serve Index Service lookups
+  over HTTP: 64-key lookups that all
+  hit, a million records loaded, ``wrk`` with 32 connections (as ``index_lookup.py`` drives
+  it), lookups per second. Without each: its fallback (``DictKeyTable`` and Python's checks;
+  msgspec and ``bytes.fromhex``; uvicorn's own writes).
 
 Each server or client runs in a process of its own, started with or without the piece; the
 rounds alternate between the two, and the figure is the median of the paired ratios
@@ -35,18 +37,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 ROUNDS = 5
-ROUND_S = 1.5
+ROUND_S = 2
 KEEP_AT = 1.10
-RECORDS = 100_000
-CONNECTIONS = 8
+RECORDS = 1_000_000
 
 #: how each piece is taken away in a process of its own (before kvsp is imported)
 WITHOUT = {
     "sha256": "import sys; sys.modules['kvsp.core._sha256'] = None",
     "pack_keys": "import kvsp.index.queries as q; q.pack_keys = lambda raw: None",
-    "exact_routes": (
-        "import kvsp.web.server as s; s.ExactRoutes._endpoint = lambda self, scope: None"
-    ),
+    "keytable": "import sys; sys.modules['kvsp.index._keytable'] = None",
     "held_writes": "import kvsp.web.serving as s; s.HeldWrites = lambda transport, loop: transport",
 }
 
@@ -136,43 +135,14 @@ def _serve_index(port: int) -> None:
     uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "error", lifespan="on")).run()
 
 
-def _lookup_body(n: int) -> bytes:
-    from benchmarks.index_lookup import COMPAT, PROMPT_BLOCKS, SCOPE, block_key
+def _lookup_rate(port: int, bodies: Path, script: Path) -> float:
+    from benchmarks.index_lookup import wrk
 
-    first = (n * 7919) % (RECORDS - PROMPT_BLOCKS)
-    keys = [block_key(k) for k in range(first, first + PROMPT_BLOCKS)]
-    return json.dumps({"scope_id": SCOPE, "compat_id": COMPAT, "block_keys": keys}).encode()
-
-
-async def _lookup_rate(base: str, bodies: list[bytes]) -> float:
-    from kvsp.web.http1 import Http1Client
-
-    client = Http1Client(CONNECTIONS)
-    done = 0
-    deadline = time.perf_counter() + ROUND_S
-    headers = {"content-type": "application/json"}
-
-    async def one(offset: int) -> None:
-        nonlocal done
-        n = offset
-        while time.perf_counter() < deadline:
-            body = (bodies[n % len(bodies)],)
-            async with client.request("POST", base + "lookup", headers=headers, body=body) as r:
-                answer = await r.read(1 << 20)
-            if r.status != 200 or not answer.startswith(b'{"matched":64'):
-                raise RuntimeError(f"not a full hit: {answer[:80]!r}")
-            done += 1
-            n += CONNECTIONS
-
-    start = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(CONNECTIONS)))
-    elapsed = time.perf_counter() - start
-    await client.aclose()
-    return done / elapsed
+    return wrk(port, bodies, script, ROUND_S)
 
 
 @contextlib.contextmanager
-def _index(piece: str | None) -> Iterator[str]:
+def _index(piece: str | None) -> Iterator[int]:
     from tests.servers import free_port
 
     port = free_port()
@@ -185,22 +155,28 @@ def _index(piece: str | None) -> Iterator[str]:
             if time.monotonic() > deadline or process.poll() is not None:
                 raise RuntimeError(f"the index {'without ' + piece if piece else ''} did not start")
             time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}/kvsp/"
+        yield port
     finally:
         process.terminate()
         process.wait(30)
 
 
 def lookups(piece: str) -> float:
-    """The median gain of ``piece`` on lookups over HTTP."""
-    bodies = [_lookup_body(n) for n in range(256)]
-    with _index(None) as with_it, _index(piece) as without:
-        asyncio.run(_lookup_rate(with_it, bodies[:8]))  # warm both
-        asyncio.run(_lookup_rate(without, bodies[:8]))
-        ratios = [
-            asyncio.run(_lookup_rate(with_it, bodies)) / asyncio.run(_lookup_rate(without, bodies))
-            for _ in range(ROUNDS)
-        ]
+    """The median gain of ``piece`` on lookups over HTTP, ``wrk`` as the load."""
+    from benchmarks.index_lookup import WRK_SCRIPT, prompts
+
+    with tempfile.TemporaryDirectory() as folder:
+        bodies, script = Path(folder) / "bodies.txt", Path(folder) / "lookup.lua"
+        requests = prompts(2_000, RECORDS)
+        bodies.write_text("\n".join(r.model_dump_json(exclude_none=True) for r in requests))
+        script.write_text(WRK_SCRIPT)
+        with _index(None) as with_it, _index(piece) as without:
+            _lookup_rate(with_it, bodies, script)  # warm both
+            _lookup_rate(without, bodies, script)
+            ratios = [
+                _lookup_rate(with_it, bodies, script) / _lookup_rate(without, bodies, script)
+                for _ in range(ROUNDS)
+            ]
     return statistics.median(ratios)
 
 
@@ -216,7 +192,7 @@ def main() -> None:
         _serve_index(int(args.arg))
         return
     gains = {"sha256": block_gets()}
-    for piece in ("pack_keys", "exact_routes", "held_writes"):
+    for piece in ("keytable", "pack_keys", "held_writes"):
         gains[piece] = lookups(piece)
     print(
         json.dumps(
@@ -226,9 +202,9 @@ def main() -> None:
                 "keep_at_gain": KEEP_AT,
                 "figures": {
                     "sha256": "block GET MB/s, 737,780-octet block, 1 client, digests verified",
-                    "pack_keys": "64-key lookups/s over HTTP, 8 connections",
-                    "exact_routes": "64-key lookups/s over HTTP, 8 connections",
-                    "held_writes": "64-key lookups/s over HTTP, 8 connections",
+                    "pack_keys": "64-key lookups/s over HTTP, 1 M records, wrk -c32",
+                    "keytable": "64-key lookups/s over HTTP, 1 M records, wrk -c32",
+                    "held_writes": "64-key lookups/s over HTTP, 1 M records, wrk -c32",
                 },
                 "gain": {piece: round(gain, 3) for piece, gain in gains.items()},
                 "keep": {piece: gain >= KEEP_AT for piece, gain in gains.items()},

@@ -432,7 +432,7 @@ async def test_a_put_is_refused_before_its_body_when_the_scope_or_header_is_wron
 async def test_puts_beyond_the_octets_in_flight_are_503_with_retry_after(env: Env) -> None:
     inflight = next(  # the route's budget, shrunk for the test
         c.cell_contents
-        for route in env.app.app.routes  # type: ignore[attr-defined]
+        for route in env.app.routes
         if getattr(route, "path", "").endswith("{block_key}") and "PUT" in (route.methods or ())
         for c in (route.endpoint.endpoint.__closure__ or ())
         if isinstance(c.cell_contents, InflightOctets)

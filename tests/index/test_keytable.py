@@ -172,6 +172,27 @@ def test_the_table_releases_its_values_and_takes_part_in_garbage_collection(impl
     assert cycle_ref() is None
 
 
+@both
+def test_a_value_let_go_by_put_may_use_the_table_as_it_goes(impl: str) -> None:
+    """Replacing a value frees the old one, whose finaliser may change the table (here it
+    grows it past a resize): the replaced slot is whole before that, and stays right."""
+    table: Any = IMPLEMENTATIONS[impl][0]()
+
+    class Grows:
+        def __del__(self) -> None:
+            for n in range(100, 140):
+                table.put(key(n), Value(n), b"x")
+
+    for n in range(3):
+        table.put(key(n), Value(n), None)
+    table.put(key(0), Grows(), b"old")
+    table.put(key(0), Value(7), b"new")
+    assert table.get(key(0)).n == 7
+    assert frame(table, [key(0)]) == (1, b"<1|new>")
+    assert len(table) == 43
+    assert all(table.get(key(n)).n == n for n in range(100, 140))
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

@@ -1,6 +1,6 @@
-"""``ExactRoutes``: routes served ahead of Starlette (exact paths, and paths ending in
-parameters) answer errors exactly as Starlette's handlers do, and everything else still reaches
-the app."""
+"""Bare ASGI endpoints (``AsgiEndpoint``, the hottest routes) under Starlette's router: their
+errors become problem documents through the same handlers as every route's, each logged and
+counted once, and their path parameters come as Starlette gives them."""
 
 from __future__ import annotations
 
@@ -14,13 +14,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kvsp.core.problems import RecordError
-from kvsp.web.server import (
-    AsgiEndpoint,
-    ExactRoutes,
-    install_problem_handlers,
-    routed_endpoints,
-    send_json,
-)
+from kvsp.web.server import AsgiEndpoint, install_problem_handlers, send_json
 
 pytestmark = pytest.mark.anyio
 
@@ -37,14 +31,13 @@ async def breaks(scope: Scope, receive: Receive, send: Send) -> None:
     raise RuntimeError("a bug")
 
 
-async def test_exact_routes_and_their_errors(caplog: pytest.LogCaptureFixture) -> None:
+async def test_bare_endpoints_and_their_errors(caplog: pytest.LogCaptureFixture) -> None:
     endpoints = {path: AsgiEndpoint(h) for path, h in (("/ok", fine), ("/bad", refuses))}
     endpoints["/bug"] = AsgiEndpoint(breaks)
     app = Starlette(routes=[Route(p, e, methods=["POST"]) for p, e in endpoints.items()])
     rejected: list[str] = []
-    responder = install_problem_handlers(app, logging.getLogger("kvsp.test"), rejected.append)
-    exact = ExactRoutes(app, {("POST", p): e for p, e in endpoints.items()}, responder)
-    transport = httpx.ASGITransport(app=exact, raise_app_exceptions=False)
+    install_problem_handlers(app, logging.getLogger("kvsp.test"), rejected.append)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
         caplog.set_level(logging.INFO, "kvsp.test")
         assert (await client.post("/ok")).json() == {"ok": True}
@@ -56,7 +49,7 @@ async def test_exact_routes_and_their_errors(caplog: pytest.LogCaptureFixture) -
         bug = await client.post("/bug")
         assert bug.status_code == 500
         assert "a bug" not in bug.text
-        assert (await client.get("/ok")).status_code == 405  # Starlette's router, as before
+        assert (await client.get("/ok")).status_code == 405
         assert (await client.post("/nothing")).status_code == 404
     assert rejected == [
         "kvsp-invalid-record",
@@ -69,27 +62,16 @@ async def test_exact_routes_and_their_errors(caplog: pytest.LogCaptureFixture) -
     assert failures[1].exc_info is not None
 
 
-async def test_routes_with_parameters_ahead_of_starlette() -> None:
-    served: list[tuple[str, bool]] = []  # path, and whether Starlette's router routed it
-
+async def test_bare_endpoints_with_parameters() -> None:
     async def echo(scope: Scope, receive: Receive, send: Send) -> None:
-        served.append((scope["path"], "endpoint" in scope))
         await send_json(send, json.dumps(scope["path_params"]).encode())
 
     path = "/v/items/{kind}/{item_id}"
-    endpoint = AsgiEndpoint(echo)
-    app = Starlette(routes=[Route(path, endpoint, methods=["GET"])])
-    responder = install_problem_handlers(app, logging.getLogger("kvsp.test"), lambda _: None)
-    assert routed_endpoints(app, ("GET", path)) == {("GET", path): endpoint}
-    exact = ExactRoutes(app, routed_endpoints(app, ("GET", path)), responder)
-    transport = httpx.ASGITransport(app=exact)
+    app = Starlette(routes=[Route(path, AsgiEndpoint(echo), methods=["GET"])])
+    install_problem_handlers(app, logging.getLogger("kvsp.test"), lambda _: None)
+    transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
         assert (await client.get("/v/items/a/7")).json() == {"kind": "a", "item_id": "7"}
         for other in ("/v/items/a", "/v/items/a/7/x", "/v/items//7", "/v/other/a/7"):
-            assert (await client.get(other)).status_code == 404  # Starlette's router answers
+            assert (await client.get(other)).status_code == 404
         assert (await client.put("/v/items/a/7")).status_code == 405
-    assert served == [("/v/items/a/7", False)]  # served ahead of the router
-    with pytest.raises(ValueError, match="whole segments"):
-        ExactRoutes(app, {("GET", "/v/{kind}x/{item_id}"): endpoint}, responder)
-    with pytest.raises(ValueError, match="no route"):
-        routed_endpoints(app, ("PUT", path))

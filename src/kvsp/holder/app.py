@@ -32,24 +32,20 @@ from kvsp.holder.service import HolderService
 from kvsp.web.openapi import ANYONE, HEALTH, METRICS_ROLES, Op, principal_of, routes_of
 from kvsp.web.server import (
     AsgiEndpoint,
-    ExactRoutes,
     InflightOctets,
     install_problem_handlers,
     json_response,
     lifespan_of,
     read_body,
     read_json_body,
-    routed_endpoints,
 )
 
-__all__ = ["BLOCK_GET", "HOLDER_BLOCK_ROLES", "block_ops", "create_app", "parse_block_query"]
+__all__ = ["HOLDER_BLOCK_ROLES", "block_ops", "create_app", "parse_block_query"]
 
 log = logging.getLogger("kvsp.holder")
 
 BASE = "/kvsp/"
 BLOCK = BASE + "blocks/{compat}/{scope}/{block_key}"
-#: the route served ahead of Starlette's middleware and router (``ExactRoutes``)
-BLOCK_GET = ("GET", BLOCK)
 _LAYERS = re.compile(r"([0-9]{1,9})-([0-9]{1,9})")
 _JSON_BODY_OCTETS = 1 << 20
 
@@ -177,7 +173,7 @@ def block_ops(
     ]  # fmt: skip
 
 
-def create_app(service: HolderService, principals: Principals) -> ExactRoutes:
+def create_app(service: HolderService, principals: Principals) -> Starlette:
     async def healthz(_: Request) -> Response:
         return json_response(b'{"status":"ok"}')
 
@@ -195,5 +191,5 @@ def create_app(service: HolderService, principals: Principals) -> ExactRoutes:
         routes=routes_of(BASE, "kvsp holder", ops, principals),
         lifespan=lifespan_of(service.start, service.close),
     )
-    responder = install_problem_handlers(app, log, lambda slug: service.rejected.labels(slug).inc())
-    return ExactRoutes(app, routed_endpoints(app, BLOCK_GET), responder)
+    install_problem_handlers(app, log, lambda slug: service.rejected.labels(slug).inc())
+    return app

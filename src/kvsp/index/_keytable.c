@@ -84,8 +84,9 @@ parse_key(PyObject *text, uint64_t out[4])
     return 0;
 }
 
-/* Secret per process, from CPython's hash secret (so PYTHONHASHSEED governs it as it does
- * dicts): keys published by a client cannot be chosen to collide without knowing it. */
+/* Secret per process, from CPython's keyed hash of bytes (public API; PYTHONHASHSEED governs it
+ * as it does dicts): keys published by a client cannot be chosen to collide without knowing
+ * it. */
 static uint64_t secret[4];
 
 static inline uint64_t
@@ -291,8 +292,13 @@ KeyTable_put(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
         self->used++;
     }
     else {
-        Py_SETREF(slot->value, Py_NewRef(value));
-        Py_SETREF(slot->payload, Py_NewRef(payload));
+        /* the old references go only once the slot is whole again: freeing them may run code
+         * that uses this table */
+        PyObject *old_value = slot->value, *old_payload = slot->payload;
+        slot->value = Py_NewRef(value);
+        slot->payload = Py_NewRef(payload);
+        Py_DECREF(old_value);
+        Py_DECREF(old_payload);
     }
     Py_RETURN_NONE;
 }
@@ -414,7 +420,8 @@ probe_prefix(KeyTable *self, PyObject *keys_arg, Py_ssize_t *matched_out, PyObje
     if (keys_of(keys_arg, &keys) < 0) {
         return NULL;
     }
-    Py_ssize_t n = keys.n;
+    /* no slots only after the garbage collector cleared the table: nothing is held */
+    Py_ssize_t n = self->slots == NULL ? 0 : keys.n;
     Slot **found = PyMem_Malloc(sizeof(Slot *) * (size_t)(n > 0 ? n : 1));
     if (found == NULL) {
         Py_DECREF(keys.seq);
@@ -720,10 +727,18 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__keytable(void)
 {
-    uint64_t seed[2] = {(uint64_t)_Py_HashSecret.siphash.k0, (uint64_t)_Py_HashSecret.siphash.k1};
     for (int i = 0; i < 4; i++) {
-        /* splitmix64 steps: four well-mixed words from the two of the hash secret */
-        uint64_t z = seed[i & 1] + 0x9e3779b97f4a7c15ULL * (uint64_t)(i + 1);
+        /* splitmix64 steps over the process's keyed hash of a label: four well-mixed words */
+        PyObject *label = PyBytes_FromFormat("kvsp keytable secret %d", i);
+        if (label == NULL) {
+            return NULL;
+        }
+        Py_hash_t keyed = PyObject_Hash(label);
+        Py_DECREF(label);
+        if (keyed == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        uint64_t z = (uint64_t)keyed + 0x9e3779b97f4a7c15ULL * (uint64_t)(i + 1);
         z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
         z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
         secret[i] = (z ^ (z >> 31)) | 1;

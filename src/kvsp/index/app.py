@@ -1,8 +1,8 @@
 """HTTP adapter of the Index Service (Starlette): the routes of docs/api.md, nothing else.
 
 Each route authenticates, reads and validates its body or path, and calls ``IndexService``;
-errors become problem documents through ``kvsp.web.server``. ``POST lookup`` is served ahead of
-Starlette's middleware and router (``ExactRoutes``), its body decoded by ``index.queries``.
+errors become problem documents through ``kvsp.web.server``. ``POST lookup`` is a bare ASGI
+endpoint (``AsgiEndpoint``), its body decoded by ``index.queries``.
 Plain Starlette routes, not FastAPI's: kvsp validates bodies with its own record models, and
 FastAPI's per-request dependency machinery cost more than the lookup itself (decision 0006).
 """
@@ -35,14 +35,12 @@ from kvsp.index.service import IndexService
 from kvsp.web.openapi import ANYONE, METRICS_ROLES, Op, obj, principal_of, routes_of
 from kvsp.web.server import (
     AsgiEndpoint,
-    ExactRoutes,
     install_problem_handlers,
     json_response,
     lifespan_of,
     parse_json_object,
     read_body,
     read_json_body,
-    routed_endpoints,
     send_json,
 )
 
@@ -82,7 +80,7 @@ def create_app(
     service: IndexService,
     principals: Principals,
     max_body_octets: int = DEFAULT_MAX_BODY_OCTETS,
-) -> ExactRoutes:
+) -> Starlette:
     async def publish(request: Request) -> Response:
         compat, scope, block_key = _block_path(request)
         principal = principal_of(request.scope)
@@ -175,7 +173,5 @@ def create_app(
         routes=routes_of(BASE, "kvsp Index Service", ops, principals),
         lifespan=lifespan_of(service.store.start, service.store.close),
     )
-    responder = install_problem_handlers(
-        app, log, lambda slug: service.metrics.rejected.labels(slug).inc()
-    )
-    return ExactRoutes(app, routed_endpoints(app, ("POST", BASE + "lookup")), responder)
+    install_problem_handlers(app, log, lambda slug: service.metrics.rejected.labels(slug).inc())
+    return app

@@ -37,18 +37,16 @@ from kvsp.core.records import (
 )
 from kvsp.core.registries import BLOCK_MEDIA_TYPE
 from kvsp.core.validation import decimal
-from kvsp.holder.app import BLOCK_GET, block_ops
+from kvsp.holder.app import block_ops
 from kvsp.instance.service import InstanceService
 from kvsp.instance.sessions import TokenEvent
 from kvsp.web.openapi import ANYONE, METRICS_ROLES, Op, obj, principal_of, routes_of
 from kvsp.web.server import (
-    ExactRoutes,
     install_problem_handlers,
     json_response,
     lifespan_of,
     parse_json_object,
     read_json_body,
-    routed_endpoints,
 )
 
 __all__ = ["GenerateRequest", "ShardLoad", "create_app"]
@@ -103,7 +101,7 @@ def _count(query: Mapping[str, str], name: str, default: int, most: int) -> int:
     return value
 
 
-def create_app(service: InstanceService, principals: Principals) -> ExactRoutes:
+def create_app(service: InstanceService, principals: Principals) -> Starlette:
     base = "/kvsp/"
 
     async def body(request: Request) -> bytes:
@@ -294,7 +292,5 @@ def create_app(service: InstanceService, principals: Principals) -> ExactRoutes:
         routes=routes_of(base, "kvsp inference instance", ops, principals),
         lifespan=lifespan_of(service.start, service.close),
     )
-    responder = install_problem_handlers(
-        app, log, lambda slug: service.holder.rejected.labels(slug).inc()
-    )
-    return ExactRoutes(app, routed_endpoints(app, BLOCK_GET), responder)
+    install_problem_handlers(app, log, lambda slug: service.holder.rejected.labels(slug).inc())
+    return app

@@ -21,7 +21,6 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvsp.core.problems import (
@@ -38,7 +37,6 @@ from kvsp.core.registries import JSON_MEDIA_TYPE, PROBLEM_MEDIA_TYPE
 
 __all__ = [
     "AsgiEndpoint",
-    "ExactRoutes",
     "InflightOctets",
     "ProblemResponder",
     "header_value",
@@ -48,7 +46,6 @@ __all__ = [
     "parse_json_object",
     "read_body",
     "read_json_body",
-    "routed_endpoints",
     "send_json",
 ]
 
@@ -74,8 +71,7 @@ def _problem(error: KvspError, request: Request) -> JSONResponse:
 
 class ProblemResponder:
     """Turns every error into a problem document: logs it once, reports its type to
-    ``on_reject``. Installed as a Starlette app's exception handlers, and used directly by the
-    routes ``ExactRoutes`` serves ahead of Starlette's router."""
+    ``on_reject``. Installed as a Starlette app's exception handlers."""
 
     def __init__(self, log: logging.Logger, on_reject: Callable[[str], None]) -> None:
         self._log = log
@@ -112,11 +108,6 @@ class ProblemResponder:
         self._on_reject(KvspError.slug)
         return _problem(KvspError("internal error; the server log has the details"), request)
 
-    async def respond(self, request: Request, exc: Exception) -> Response:
-        if isinstance(exc, KvspError):
-            return await self.kvsp_error(request, exc)
-        return await self.unexpected(request, exc)
-
 
 def install_problem_handlers(
     app: Starlette, log: logging.Logger, on_reject: Callable[[str], None]
@@ -127,72 +118,6 @@ def install_problem_handlers(
     app.add_exception_handler(StarletteHTTPException, responder.http_error)
     app.add_exception_handler(Exception, responder.unexpected)
     return responder
-
-
-class ExactRoutes:
-    """An ASGI app that serves a few routes itself, ahead of Starlette's middleware and router
-    (about 10 us a request, as much as a whole index lookup), and hands everything else,
-    lifespan included, to ``app``. A route is (method, path): an exact path, or a path whose
-    last segments are ``{name}`` parameters (each one non-empty segment, given to the endpoint
-    in ``scope["path_params"]`` as Starlette would). The same endpoints stay routed in ``app``,
-    which still answers other methods (405) and paths under a root path."""
-
-    def __init__(
-        self, app: ASGIApp, routes: dict[tuple[str, str], ASGIApp], responder: ProblemResponder
-    ) -> None:
-        self.app = app
-        self._exact: dict[tuple[str, str], ASGIApp] = {}
-        #: (method, fixed prefix, parameter names, endpoint)
-        self._templates: list[tuple[str, str, tuple[str, ...], ASGIApp]] = []
-        for (method, path), endpoint in routes.items():
-            prefix, brace, rest = path.partition("{")
-            if not brace:
-                self._exact[(method, path)] = endpoint
-                continue
-            segments = (brace + rest).split("/")
-            if not prefix.endswith("/") or not all(map(_PARAMETER.fullmatch, segments)):
-                raise ValueError(f"{path}: parameters must be whole segments at the end")
-            self._templates.append((method, prefix, tuple(x[1:-1] for x in segments), endpoint))
-        self._responder = responder
-
-    def _endpoint(self, scope: Scope) -> ASGIApp | None:
-        method, path = scope["method"], scope["path"]
-        endpoint = self._exact.get((method, path))
-        if endpoint is not None:
-            return endpoint
-        for route_method, prefix, names, endpoint in self._templates:
-            if method == route_method and path.startswith(prefix):
-                values = path[len(prefix) :].split("/")
-                if len(values) == len(names) and all(values):
-                    scope["path_params"] = dict(zip(names, values, strict=True))
-                    return endpoint
-        return None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        endpoint = self._endpoint(scope) if scope["type"] == "http" else None
-        if endpoint is None:
-            await self.app(scope, receive, send)
-            return
-        try:
-            await endpoint(scope, receive, send)
-        except Exception as exc:  # every failure is answered, as Starlette's handlers would
-            response = await self._responder.respond(Request(scope), exc)
-            await response(scope, receive, send)
-
-
-def routed_endpoints(app: Starlette, *keys: tuple[str, str]) -> dict[tuple[str, str], ASGIApp]:
-    """The endpoints ``app`` routes for each (method, path) in ``keys``, to serve them ahead of
-    its router with ``ExactRoutes``."""
-    found = {
-        (method, route.path): route.endpoint
-        for route in app.routes
-        if isinstance(route, Route)
-        for method in route.methods or ()
-        if (method, route.path) in keys
-    }
-    if missing := set(keys) - set(found):
-        raise ValueError(f"no route for {sorted(missing)}")
-    return found
 
 
 def lifespan_of(
