@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from kvsp.core.config import load_toml
 from kvsp.core.container import FIXED_HEADER_OCTETS
 from kvsp.core.ids import CompatId
 from kvsp.core.problems import ConfigurationError
@@ -238,10 +238,7 @@ def load_scenario(source: Path | str) -> Scenario:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigurationError(f"cannot read scenario {source}: {exc.strerror}") from None
-    try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigurationError(f"scenario {source}: {exc}") from None
+    doc = load_toml(text, f"scenario {source}")
     tables = {
         "model": ModelShape,
         "instances": InstanceSpec,
