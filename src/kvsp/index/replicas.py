@@ -9,7 +9,9 @@ are held in a ``KeyTable`` (block key -> block and its JSON array; compiled, or 
 same contract), which probes all keys of a lookup and assembles the answer in one copy. Expiry
 pops a heap of deadlines, so it costs O(expired), never a scan; refreshes leave stale heap
 entries behind, which are skipped when popped and compacted away when they outnumber the live
-ones.
+ones. The heap holds the stored replicas themselves (ordered by deadline), not
+``core.deadlines.Deadlines``' key map and tuples: those would add well over 100 octets to each of
+millions of records, past the 1 KiB a record may take.
 """
 
 from __future__ import annotations
