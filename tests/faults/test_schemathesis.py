@@ -29,9 +29,10 @@ PORT = 9180
 CHECKS = "not_a_server_error,response_schema_conformance,content_type_conformance"
 
 
-def _fuzz(service: list[str], examples: int, timeout_s: int) -> str:
-    """Run ``kvsp SERVICE...`` and schemathesis against it in a private network namespace;
-    schemathesis's report (the test fails on a non-zero exit)."""
+def _fuzz(service: list[str], examples: int, timeout_s: int, folder: Path) -> str:
+    """Run ``kvsp SERVICE...`` and schemathesis against it in a private network namespace,
+    in ``folder`` (the service's log and schemathesis's files go there); schemathesis's report
+    (the test fails on a non-zero exit)."""
     if shutil.which("unshare") is None:
         raise AssertionError("unshare (util-linux) is needed to keep generated traffic local")
     base = f"http://127.0.0.1:{PORT}/kvsp/"
@@ -62,6 +63,7 @@ def _fuzz(service: list[str], examples: int, timeout_s: int) -> str:
         timeout=timeout_s,
         check=False,
         env={**os.environ, **hooks},
+        cwd=folder,
     )
     report = done.stdout + done.stderr
     assert done.returncode == 0, report[-6000:]
@@ -71,20 +73,22 @@ def _fuzz(service: list[str], examples: int, timeout_s: int) -> str:
 
 
 def test_index_service(tmp_path: Path) -> None:
-    report = _fuzz(["index", "serve"], 60, 300)
+    report = _fuzz(["index", "serve"], 60, 300, tmp_path)
     assert "passed" in report
 
 
 def test_holder(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{PORT}/kvsp/"
-    report = _fuzz(["holder", "serve", "--url", url, "--host-bytes", "64M"], 60, 300)
+    report = _fuzz(["holder", "serve", "--url", url, "--host-bytes", "64M"], 60, 300, tmp_path)
     assert "passed" in report
 
 
 def test_controller_and_front_end(tmp_path: Path, model_files: ModelFiles) -> None:
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(tenants_toml(model_files.compat_id.hex()))
-    report = _fuzz(["controller", "serve", "--tenants", str(tenants), "--frontend"], 40, 400)
+    report = _fuzz(
+        ["controller", "serve", "--tenants", str(tenants), "--frontend"], 40, 400, tmp_path
+    )
     assert "passed" in report
 
 
@@ -94,5 +98,5 @@ def test_instance(tmp_path: Path, model_files: ModelFiles) -> None:
     url = f"http://127.0.0.1:{PORT}/kvsp/"
     args = ["instance", "serve", "--url", url, "--tenants", str(tenants), "--max-tokens", "2",
             "--threads", "1"]  # fmt: skip
-    report = _fuzz(args, 20, 500)
+    report = _fuzz(args, 20, 500, tmp_path)
     assert "passed" in report
