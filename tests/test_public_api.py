@@ -60,7 +60,7 @@ FLAT_API = {
     "ContainerError", "DigestError", "ConfigurationError", "Unauthenticated", "Forbidden",
     "NotFound", "LayersUnavailable", "MethodNotAllowed", "StaleEpoch", "IllegalTransition",
     "InstanceFailed", "NotAccepting", "AlreadyStored", "PayloadTooLarge", "LeaseQuotaExceeded",
-    "ServiceUnavailable", "CapacityExhausted",
+    "ServiceUnavailable", "NotLeader", "CapacityExhausted",
     # clients of kvsp's services
     "IndexClient", "HolderClient",
 }  # fmt: skip

@@ -65,6 +65,11 @@ controller_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(controller_app, name="controller")
+frontend_app = typer.Typer(
+    help="The OpenAI-compatible front end, on its own, before several controllers.",
+    no_args_is_help=True,
+)
+app.add_typer(frontend_app, name="frontend")
 instance_app = typer.Typer(
     help="An inference instance on the default model (also a holder).", no_args_is_help=True
 )
@@ -446,6 +451,17 @@ def controller_serve_command(
     frontend: Annotated[
         bool, typer.Option("--frontend", help="serve v1/completions for the installed model")
     ] = False,
+    state: Annotated[
+        str,
+        typer.Option("--state", help="memory, or a redis:// URL shared by several controllers"),
+    ] = "memory",
+    url: Annotated[
+        str | None,
+        typer.Option("--url", help="this controller's base URL (default: from host and port)"),
+    ] = None,
+    lease_ms: Annotated[
+        int, typer.Option("--lease-ms", min=100, help="the leader's lease (Redis state)")
+    ] = 1_500,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
     http_limit: HttpLimits = None,
 ) -> None:
@@ -468,6 +484,9 @@ def controller_serve_command(
         block_tokens=block_tokens,
         placement=PlacementPolicy(max_cost_us=max_cost_us, mean_service_us=mean_service_us),
         instances=InstancePolicy(min_active=min_active, max_epoch_ahead_ms=max_epoch_ahead_ms),
+        state=state,
+        url=url or f"http://{host}:{port}/kvsp/",
+        lease_ms=lease_ms,
     )
     principals = _principals(auth, host)
     service = ControllerService(config)
@@ -475,12 +494,65 @@ def controller_serve_command(
     closing: list[Callable[[], Awaitable[None]]] = []
     if frontend:
         from kvsp.frontend.app import frontend_ops
+        from kvsp.frontend.controllers import InProcessController
         from kvsp.frontend.service import load_frontend
         from kvsp.model import installed
 
-        front = load_frontend(service, installed(None, block_tokens), config.instance_token)
+        files = installed(None, block_tokens)
+        local = InProcessController(service)
+        front = load_frontend(local, config.tenants, files, config.instance_token)
         more, closing = frontend_ops(front, BODY_OCTETS), [front.aclose]
     _serve(create_app(service, principals, more, closing), host, port, log_level, http_limit)
+
+
+@frontend_app.command("serve")
+def frontend_serve_command(
+    tenants: Annotated[Path, typer.Option("--tenants", help="tenants file (TOML, secret)")],
+    controller: Annotated[
+        list[str], typer.Option("--controller", help="a controller's base URL (repeatable)")
+    ],
+    token_file: Annotated[
+        Path | None,
+        typer.Option("--token-file", help="the front end's token for controllers and instances"),
+    ] = None,
+    host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 9080,
+    block_tokens: Annotated[int, typer.Option("--block-tokens", min=1)] = 16,
+    log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    http_limit: HttpLimits = None,
+) -> None:
+    """Run the OpenAI-compatible front end on HOST:PORT under /kvsp/v1/, placing requests with
+    whichever of the controllers leads (a controller's death does not cut a stream)."""
+    from starlette.applications import Starlette
+
+    from kvsp.controller.app import BODY_OCTETS
+    from kvsp.frontend.app import frontend_ops
+    from kvsp.frontend.controllers import RemoteController
+    from kvsp.frontend.service import load_frontend, log
+    from kvsp.model import installed, system_prefix
+    from kvsp.tenants import Tenants
+    from kvsp.web.openapi import ANYONE, HEALTH, Op, routes_of
+    from kvsp.web.server import install_problem_handlers, json_response, lifespan_of
+
+    token = _read_token(token_file)
+    files = installed(None, block_tokens)
+    parsed = Tenants.load(tenants, system_prefix(files))
+    front = load_frontend(RemoteController(controller, token), parsed, files, token)
+
+    async def healthz(_: object) -> object:
+        return json_response(b'{"status":"ok"}')
+
+    async def started() -> None:
+        return None
+
+    ops = [*frontend_ops(front, BODY_OCTETS),
+           Op("GET", "healthz", healthz, "liveness", ANYONE, answers={200: HEALTH})]  # fmt: skip
+    app = Starlette(
+        routes=routes_of("/kvsp/", "kvsp front end", ops, Principals({})),  # API keys only
+        lifespan=lifespan_of(started, front.aclose),
+    )
+    install_problem_handlers(app, log, lambda _: None)
+    _serve(app, host, port, log_level, http_limit)
 
 
 @model_app.command("install")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
-__all__ = ["Wakeup", "cancel_all"]
+__all__ = ["KeyedLocks", "Wakeup", "cancel_all"]
 
 
 async def cancel_all(tasks: Iterable[asyncio.Task[None]]) -> None:
@@ -56,3 +56,29 @@ class Wakeup:
             yield wait
         finally:
             self._readers -= 1
+
+
+class KeyedLocks:
+    """One lock per key (a session), kept only while someone holds or waits for it: the
+    operations on one key run one at a time across their awaits, those on others in
+    parallel, and idle keys cost nothing."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)

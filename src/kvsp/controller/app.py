@@ -119,11 +119,7 @@ def create_app(
     async def session(request: Request) -> Response:
         principal = principal_of(request.scope)
         name = request.path_params["session"]
-        doc = service.sessions.get_for(principal, name).to_json()
-        hints = None if service.hints is None else service.hints.table.get(name)
-        if hints is not None:
-            doc["hints"] = hints.to_json()
-        return _json(doc)
+        return _json(service.session_view(principal, name))
 
     async def turn_ended(request: Request) -> Response:
         principal = principal_of(request.scope)
@@ -137,6 +133,16 @@ def create_app(
         principal = principal_of(request.scope)
         outcomes = await service.end_session(principal, request.path_params["session"])
         return _json({"outcomes": outcomes})
+
+    async def forget_session(request: Request) -> Response:
+        principal = principal_of(request.scope)
+        await service.forget_session(principal, request.path_params["session"])
+        return _json({"forgotten": True})
+
+    async def abandon_turn(request: Request) -> Response:
+        principal = principal_of(request.scope)
+        await service.abandon_turn(principal, request.path_params["session"])
+        return _json({"abandoned": True})
 
     async def instances(request: Request) -> Response:
         # the role is checked before the endpoint (routes_of)
@@ -167,25 +173,20 @@ def create_app(
     async def ttft(request: Request) -> Response:
         principal = principal_of(request.scope)
         parsed = TtftReport.parse(await body(request))
-        predicted = service.observe_ttft(principal, request.path_params["decision"], parsed.ttft_us)
+        predicted = await service.observe_ttft(
+            principal, request.path_params["decision"], parsed.ttft_us
+        )
         return _json({"predicted_us": round(predicted, 1), "measured_us": parsed.ttft_us})
 
     async def register_map(request: Request) -> Response:
         principal = principal_of(request.scope)
         parsed = ShardMap.parse(await body(request))
-        service.register_map(principal, parsed)
+        await service.register_map(principal, parsed)
         return _json({"map": parsed.map, "version": parsed.version}, 201)
 
     async def get_map(request: Request) -> Response:
         # the role is checked before the endpoint (routes_of)
-        map_id = request.path_params["map"]
-        current = service.reshards.current(map_id)
-        return _json(
-            {
-                "map": current.to_json(),
-                "in_flight": service.reshards.in_flight(map_id),
-            }
-        )
+        return _json(service.shard_view(request.path_params["map"]))
 
     async def reshard(request: Request) -> Response:
         principal = principal_of(request.scope)
@@ -203,7 +204,7 @@ def create_app(
         )
 
     async def healthz(_: Request) -> Response:
-        return json_response(b'{"status":"ok"}')
+        return _json({"status": "ok", **service.lead_view()})
 
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -226,6 +227,12 @@ def create_app(
            answers={200: outcomes}),
         Op("POST", "sessions/{session}/turns", turn_ended, "a turn is over (KvHints)", operator,
            own, TurnEnd, {200: outcomes}),
+        Op("POST", "sessions/{session}/forget", forget_session,
+           "a request's own session is done: forgotten, no hints", operator, own,
+           answers={200: obj(["forgotten"], forgotten={"type": "boolean"})}),
+        Op("POST", "sessions/{session}/abandon", abandon_turn,
+           "the client went away mid-turn: the instance stops", operator, own,
+           answers={200: obj(["abandoned"], abandoned={"type": "boolean"})}),
         Op("GET", "instances", instances, "every instance as the controller sees it", pc,
            answers={200: obj(["instances"], instances={"type": "array"})}),
         Op("PUT", "instances/state", instance_state, "wake or drain an instance", pc,

@@ -24,6 +24,7 @@ kept per session (``SessionHints``) and counted in the controller's metrics.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -149,6 +150,10 @@ class SessionHintTable:
 
     def get(self, session: str) -> SessionHints | None:
         return self._sessions.get(session)
+
+    def restore(self, entries: Sequence[SessionHints]) -> None:
+        """Replace every session's state with ``entries`` (a new leader's load)."""
+        self._sessions = OrderedDict((e.session, e) for e in entries[-self.limit :])
 
     def _entry(self, session: str, instance: str) -> SessionHints:
         entry = self._sessions.get(session)

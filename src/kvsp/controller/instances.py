@@ -25,7 +25,7 @@ time is now, and an epoch of 10^30 would lock the real process out.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvsp.core.clock import Clock
@@ -202,6 +202,23 @@ class InstanceTable:
         instance = self.check_set_state(url, to)
         self._move(instance, to)
         return instance
+
+    def restore(self, entries: Sequence[TrackedInstance]) -> None:
+        """Replace every instance with ``entries`` (a new leader's load). Each gets a full
+        status TTL from now: statuses sent while no controller led were lost, and an
+        instance that is really gone expires one TTL later. One stored as failed is handed to
+        ``expire`` again, so sessions whose failover the old leader did not finish move."""
+        self._instances.clear()
+        self._deadlines = Deadlines()
+        self._failed = []
+        now = self.clock.now_ms()
+        for entry in entries:
+            entry.expires_at = now + entry.status.ttl_ms
+            self._instances[entry.url] = entry
+            if entry.state is F:
+                self._failed.append(entry)
+            else:
+                self._deadlines.set(entry.url, entry.expires_at)
 
     def expire(self) -> list[TrackedInstance]:
         """Instances whose latest status has expired become failed; returns every instance

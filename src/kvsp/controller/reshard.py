@@ -186,6 +186,12 @@ class ReshardCoordinator:
         flight = self._flight.get(map_id)
         return None if flight is None else flight.target.version
 
+    def restore(self, maps: Sequence[ShardMap]) -> None:
+        """Replace every map with ``maps`` (a new leader's load); nothing is in flight: a new
+        leader aborts what its predecessor had begun."""
+        self._current = {m.map: m for m in maps}
+        self._flight.clear()
+
     def register(self, shard_map: ShardMap) -> None:
         """Adopt a first map (a new sharded context)."""
         if shard_map.map in self._current:

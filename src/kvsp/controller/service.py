@@ -11,6 +11,7 @@ tables: a session moves to a new instance only once that instance has accepted t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import uuid
@@ -26,9 +27,12 @@ from kvsp.controller.hint_sender import HintSender
 from kvsp.controller.hints import (
     HintPolicy,
     PinOrDemote,
+    PlannedHint,
+    SessionHints,
     SessionHintTable,
 )
 from kvsp.controller.instances import InstancePolicy, InstanceTable
+from kvsp.controller.leadership import Leadership
 from kvsp.controller.metrics import ControllerMetrics
 from kvsp.controller.placement import (
     Decision,
@@ -39,10 +43,29 @@ from kvsp.controller.placement import (
     place,
 )
 from kvsp.controller.reshard import ReshardCoordinator, ReshardResult, propose
-from kvsp.controller.sessions import CheckpointAnswer, SessionTable, resumers, sampler_for
+from kvsp.controller.sessions import (
+    CheckpointAnswer,
+    Session,
+    SessionTable,
+    resumers,
+    sampler_for,
+)
+from kvsp.controller.stores import (
+    Change,
+    ControlStore,
+    DropDecision,
+    DropSession,
+    PutDecision,
+    PutHints,
+    PutInstance,
+    PutMap,
+    PutReshard,
+    PutSession,
+    open_control_store,
+)
 from kvsp.core.clock import Clock, SystemClock
 from kvsp.core.ids import tenant_session
-from kvsp.core.problems import KvspError, NotFound, RecordError
+from kvsp.core.problems import KvspError, NotFound, NotLeader, RecordError
 from kvsp.core.records import (
     InstanceState,
     InstanceStatusRecord,
@@ -59,7 +82,7 @@ from kvsp.core.records import (
 from kvsp.core.shared import ScopedChain
 from kvsp.core.urls import canonical_url
 from kvsp.index.client import IndexClient
-from kvsp.tasks import cancel_all
+from kvsp.tasks import KeyedLocks, cancel_all
 from kvsp.tenants import Tenants
 
 __all__ = ["ControllerConfig", "ControllerService", "Launcher", "Placement"]
@@ -109,6 +132,13 @@ class ControllerConfig:
     tick_s: float = 0.2
     #: what to tell instances as sessions go on (KvHints); None: no hints
     hints: HintPolicy | None = field(default_factory=PinOrDemote)
+    #: where the state lives: ``memory`` (this process, which always leads) or a Redis URL
+    #: shared by several controllers, one of which leads at a time (decision 0019)
+    state: str = "memory"
+    #: this controller's own base URL, which standbys name as the leader's
+    url: str = ""
+    #: how long a leader's lease lasts unless renewed (renewed every fifth of it)
+    lease_ms: int = 1_500
 
 
 @dataclass(frozen=True)
@@ -155,8 +185,9 @@ class ControllerService:
         index: IndexClient | None = None,
         instances: InstanceClient | None = None,
         launcher: Launcher | None = None,
+        store: ControlStore | None = None,
     ) -> None:
-        """``index`` and ``instances`` replace the clients built from the config (tests)."""
+        """``index``, ``instances`` and ``store`` replace those built from the config (tests)."""
         self.config = config
         self.clock = clock or SystemClock()
         self.instances = InstanceTable(self.clock, config.instances)
@@ -184,17 +215,30 @@ class ControllerService:
         )
         #: predicted cost of recent decisions, until their measured TTFT arrives
         self._predictions: OrderedDict[str, float] = OrderedDict()
+        self.store = store or open_control_store(config.state)
+        self.lead = Leadership(
+            self.store, config.url, config.lease_ms, self._elected, self._deposed
+        )
+        #: one operation at a time per session, across its awaits (check, write, apply)
+        self._session_locks = KeyedLocks()
 
     # -- running -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._ticker(), name="kvsp-controller-tick")]
+        with contextlib.suppress(KvspError):  # a standby, or Redis not there yet: run() retries
+            await self.lead.step()
+        self._tasks = [
+            asyncio.create_task(self._ticker(), name="kvsp-controller-tick"),
+            asyncio.create_task(self.lead.run(), name="kvsp-controller-lease"),
+        ]
         if self.forwarder is not None:
             forwarding = asyncio.create_task(self.forwarder.run(), name="kvsp-status-forwarder")
             self._tasks.append(forwarding)
 
     async def close(self) -> None:
         await cancel_all(self._tasks)
+        await self.lead.close()
+        await self.store.close()
         await self.peers.aclose()
         if self.index is not None:
             await self.index.aclose()
@@ -208,16 +252,20 @@ class ControllerService:
                 log.exception("controller tick failed")
 
     async def tick(self) -> None:
-        """Fail over the sessions of instances whose status expired; abort late reshards."""
+        """Fail over the sessions of instances whose status expired; abort late reshards
+        (the leader only)."""
+        if not self.lead.leading():
+            return
         for result in self.reshards.expire():
             await self._finish_reshard(result)
-        await self._fail_over_all(self._take_failures())
+        await self._fail_over_all(await self._take_failures())
 
-    def _take_failures(self) -> list[tuple[str, list[tuple[str, int]]]]:
+    async def _take_failures(self) -> list[tuple[str, list[tuple[str, int]]]]:
         """Instances failed (expired, or restarted with a higher epoch) since the last call,
         each with the sessions it served then and their epochs: taken in one step, so a
-        session placed on the restarted instance afterwards is never moved away."""
-        taken = []
+        session placed on the restarted instance afterwards is never moved away. The
+        failures are written before any session moves."""
+        taken, failed = [], []
         for instance in self.instances.expire():
             log.warning("instance %s failed (status expired, or restarted)", instance.url)
             open_turns = [
@@ -226,7 +274,54 @@ class ControllerService:
                 if not s.turn_done  # a delivered turn has nothing left to resume
             ]
             taken.append((instance.url, open_turns))
+            failed.append(PutInstance(instance))
+        await self._write(*failed)
         return taken
+
+    # -- leading -------------------------------------------------------------------------------
+
+    async def _write(self, *changes: Change) -> None:
+        """Write changes the tables made through to the store; a controller that cannot (its
+        token fenced out, or the store gone) stops leading, and the next leader loads what
+        the store has, so the tables never answer for what the store lacks."""
+        if not changes:
+            return
+        token = self.lead.check()
+        try:
+            await self.store.write(token, changes)
+        except KvspError as exc:
+            self.lead.depose(exc.detail)
+            raise
+
+    async def _elected(self, token: int) -> None:
+        """This controller took the lease: fence the older leader out, then load."""
+        await self.store.fence(token, [t.scope_id for t in self.config.tenants])
+        snapshot = await self.store.load()
+        self.instances.restore(snapshot.instances)
+        self.sessions.restore(snapshot.sessions)
+        if self.hints is not None:
+            self.hints.table.restore(snapshot.hints)
+        self.reshards.restore(snapshot.maps)
+        self._predictions = OrderedDict(snapshot.decisions)
+        log.warning(
+            "loaded %d instances, %d sessions, %d shard maps",
+            len(snapshot.instances), len(snapshot.sessions), len(snapshot.maps),
+        )  # fmt: skip
+        for pending in snapshot.reshards:  # begun by the old leader: finished, or aborted
+            result = ReshardResult(
+                pending["map"], pending["version"], bool(pending["commit"]),
+                tuple(pending["members"]), "the controller that began it stopped leading",
+            )  # fmt: skip
+            self._background(self._announce_reshard(result), f"reshard of {result.map}")
+
+    def _deposed(self) -> None:
+        """Lost the lease: nothing of the old view may answer anyone."""
+        self.instances.restore([])
+        self.sessions.restore([])
+        if self.hints is not None:
+            self.hints.table.restore([])
+        self.reshards.restore([])
+        self._predictions.clear()
 
     async def _fail_over_all(self, failures: list[tuple[str, list[tuple[str, int]]]]) -> None:
         for url, sessions in failures:
@@ -242,8 +337,10 @@ class ControllerService:
         (``StatusForwarder``), and the sessions of an epoch it replaces fail over in the
         background too."""
         authorize(principal, Role.INSTANCE, holder=status.instance)
+        self.lead.check()
         state = self.instances.put_status(status)
-        failures = self._take_failures()
+        await self._write(PutInstance(self.instances.get(status.instance)))
+        failures = await self._take_failures()
         if failures:
             self._background(self._fail_over_all(failures), "failover after a restart")
         if self.forwarder is not None:
@@ -254,11 +351,36 @@ class ControllerService:
         """Wake or drain ``url``: the table checks the move, the instance is told, and only
         then does the table make it (refused if the instance failed meanwhile)."""
         authorize(principal, (Role.CONTROLLER,))
+        self.lead.check()
         self.instances.check_set_state(url, state)
         await self.peers.set_state(self.instances.get(url).url, state)
+        await self._wake_or_drain(url, state)
+
+    async def _wake_or_drain(self, url: str, state: InstanceState) -> None:
         self.instances.set_state(url, state)
+        await self._write(PutInstance(self.instances.get(url)))
+
+    def lead_view(self) -> dict[str, Any]:
+        """Whether this controller leads, and which one does (``healthz``)."""
+        role = "leader" if self.lead.leading() else "standby"
+        return {"role": role, "leader": self.lead.leader, "state": self.store.name}
+
+    def session_view(self, principal: Principal, session: str) -> dict[str, Any]:
+        authorize(principal, OPERATOR_ROLES)
+        self.lead.check()
+        doc = self.sessions.get_for(principal, session).to_json()
+        hints = None if self.hints is None else self.hints.table.get(session)
+        if hints is not None:
+            doc["hints"] = hints.to_json()
+        return doc
+
+    def shard_view(self, map_id: str) -> dict[str, Any]:
+        self.lead.check()
+        current = self.reshards.current(map_id)
+        return {"map": current.to_json(), "in_flight": self.reshards.in_flight(map_id)}
 
     def instance_view(self) -> list[dict[str, Any]]:
+        self.lead.check()
         now = self.clock.now_ms()
         out = []
         for i in self.instances:
@@ -326,6 +448,7 @@ class ControllerService:
         """Choose an instance for a prompt of ``tokens``; wake or launch one when needed, and
         prefetch its cached prefix where that pays."""
         authorize(principal, OPERATOR_ROLES)
+        self.lead.check()
         tenant = self.config.tenants.for_principal(principal, tenant_name)
         tenant.check_compat(compat_id)
         if session is not None:  # the tenant's own name for it, in the tenant's namespace
@@ -369,12 +492,15 @@ class ControllerService:
                 }
         decision_id = str(uuid.uuid4())
         log.info("placement %s %s", decision_id, decision.to_json())
+        changes: list[Change] = []
         if chosen is not None:
             self._predictions[decision_id] = chosen.cost_us
+            changes.append(PutDecision(decision_id, chosen.cost_us))
             while len(self._predictions) > MAX_PREDICTIONS:
-                self._predictions.popitem(last=False)
+                changes.append(DropDecision(self._predictions.popitem(last=False)[0]))
         placement = Placement(decision, keys, decision_id, session=session)
         if decision.instance is None:
+            await self._write(*changes)
             return placement
         policy = self.config.placement
         directive = build_directive(request, lookup, decision.instance, policy, request_ref)
@@ -382,27 +508,62 @@ class ControllerService:
         # a directive names one scope: a prompt with a shared prefix loads it itself
         if directive is not None and policy.prefetch and pays and not request.shared_blocks:
             placement = await self._prefetch(placement, decision.instance, directive, wait_prefetch)
-        if first is not None:
-            eligible = [s.status for s in self.instances.active() + self.instances.sleeping()]
-            chosen_url = canonical_url(decision.instance)
-            served = next((s for s in eligible if canonical_url(s.instance) == chosen_url), None)
-            first = first.model_copy(
-                update={"sampler": sampler_for(first.sampler, served, eligible)}
+        if first is None:
+            await self._write(*changes)
+            return placement
+        async with self._session_locks.hold(first.session):
+            placement, planned = await self._open(first, placement, max_tokens, changes)
+        if planned:  # the KV moves with the session, while the request is placed
+            self._background(
+                self._send_hints(first.session, tenant.scope_id, planned),
+                f"hints for session {first.session}",
             )
-            engine = None if served is None else served.engine
-            entry = self.sessions.open(first, decision.instance, max_tokens, engine)
-            placement = dataclasses.replace(
-                placement, session_epoch=entry.epoch, sampler=first.sampler
-            )
-            if self.hints is not None:
-                now = self.clock.now_ms()
-                planned = self.hints.table.turn_started(entry.session, entry.instance, now)
-                if planned:  # the KV moves with the session, while the request is placed
-                    self._background(
-                        self.hints.send(entry.session, planned),
-                        f"hints for session {entry.session}",
-                    )
         return placement
+
+    async def _open(
+        self,
+        first: SessionCheckpoint,
+        placement: Placement,
+        max_tokens: int | None,
+        changes: list[Change],
+    ) -> tuple[Placement, list[PlannedHint]]:
+        """Open the placed session (or its next turn), and write it with the decision."""
+        instance = placement.decision.instance
+        assert instance is not None  # a placed session has its instance
+        eligible = [s.status for s in self.instances.active() + self.instances.sleeping()]
+        served = next((s for s in eligible if canonical_url(s.instance) == instance), None)
+        first = first.model_copy(update={"sampler": sampler_for(first.sampler, served, eligible)})
+        engine = None if served is None else served.engine
+        entry = self.sessions.open(first, instance, max_tokens, engine)
+        now = self.clock.now_ms()
+        changes.append(PutSession(entry, now))
+        changes.extend(DropSession(e.scope_id, e.session) for e in self.sessions.take_evicted())
+        planned: list[PlannedHint] = []
+        if self.hints is not None:
+            planned = self.hints.table.turn_started(entry.session, entry.instance, now)
+            changes.extend(self._hint_changes(entry.scope_id, entry.session))
+        await self._write(*changes)
+        placed = dataclasses.replace(placement, session_epoch=entry.epoch, sampler=first.sampler)
+        return placed, planned
+
+    def _hint_changes(self, scope_id: str, session: str) -> list[Change]:
+        found = None if self.hints is None else self.hints.table.get(session)
+        return [] if found is None else [PutHints(scope_id, found)]
+
+    async def _send_hints(
+        self,
+        session: str,
+        scope_id: str,
+        planned: list[PlannedHint],
+        ended: SessionHints | None = None,
+    ) -> list[dict[str, Any]]:
+        """Send ``planned``; the outcomes the policy learnt from are written."""
+        if self.hints is None:
+            return []
+        outcomes = await self.hints.send(session, planned, ended)
+        if ended is None:
+            await self._write(*self._hint_changes(scope_id, session))
+        return outcomes
 
     # -- KvHints (session-aware KV) ------------------------------------------------------------
 
@@ -430,60 +591,72 @@ class ControllerService:
         """A turn of ``session`` is over (its output delivered): tell the instance holding its
         KV what the policy says; the outcomes."""
         authorize(principal, OPERATOR_ROLES)
-        entry = self.sessions.get_for(principal, session)
-        entry.turn_done = True
-        if self.hints is None:
-            return []
-        planned = self.hints.table.turn_ended(
-            session, entry.instance, self.clock.now_ms(), tool_call, expected_gap_ms
-        )
-        return await self.hints.send(session, planned)
+        self.lead.check()
+        async with self._session_locks.hold(session):
+            entry = self.sessions.get_for(principal, session)
+            entry.turn_done = True
+            planned: list[PlannedHint] = []
+            if self.hints is not None:
+                planned = self.hints.table.turn_ended(
+                    session, entry.instance, self.clock.now_ms(), tool_call, expected_gap_ms
+                )
+            await self._write(PutSession(entry, self.clock.now_ms()))
+        return await self._send_hints(session, entry.scope_id, planned)
 
     async def end_session(self, principal: Principal, session: str) -> list[dict[str, Any]]:
         """The session is over: the policy's last hints, then the instance forgets it."""
         authorize(principal, OPERATOR_ROLES)
-        self.sessions.get_for(principal, session)
-        entry = self.sessions.close(session)
-        outcomes: list[dict[str, Any]] = []
-        if self.hints is not None:
-            ended, planned = self.hints.table.ended(session)
-            outcomes = await self.hints.send(session, planned, ended)
+        self.lead.check()
+        async with self._session_locks.hold(session):
+            self.sessions.get_for(principal, session)
+            entry = self.sessions.close(session)
+            ended, planned = (None, []) if self.hints is None else self.hints.table.ended(session)
+            await self._write(DropSession(entry.scope_id, session))
+        outcomes = await self._send_hints(session, entry.scope_id, planned, ended)
         try:
             await self.peers.end_session(entry.instance, session)
         except KvspError as exc:
             log.warning("session %s not ended at %s: %s", session, entry.instance, exc.detail)
         return outcomes
 
-    def forget_session(self, session: str) -> None:
+    async def forget_session(self, principal: Principal, session: str) -> None:
         """A request's own session is done: the controller and its instance forget it, with
         no hints (nothing will come back to it)."""
-        entry = self.sessions.close(session)
-        if self.hints is not None:
-            self.hints.table.forget(session)
+        authorize(principal, OPERATOR_ROLES)
+        self.lead.check()
+        async with self._session_locks.hold(session):
+            self.sessions.get_for(principal, session)
+            entry = self.sessions.close(session)
+            if self.hints is not None:
+                self.hints.table.forget(session)
+            await self._write(DropSession(entry.scope_id, session))
         self._background(
             self.peers.end_session(entry.instance, session),
             f"session {session} not ended at {entry.instance}",
         )
 
-    def abandon_turn(self, session: str) -> None:
+    async def abandon_turn(self, principal: Principal, session: str) -> None:
         """The client went away mid-turn: the instance stops generating and lets go of the
         session's KV; the conversation stays known for its next turn."""
-        try:
-            entry = self.sessions.get(session)
-        except NotFound:
-            return
-        entry.turn_done = True
+        authorize(principal, OPERATOR_ROLES)
+        self.lead.check()
+        async with self._session_locks.hold(session):
+            entry = self.sessions.get_for(principal, session)
+            entry.turn_done = True
+            await self._write(PutSession(entry, self.clock.now_ms()))
         self._background(
             self.peers.end_session(entry.instance, session),
             f"session {session} not stopped at {entry.instance}",
         )
 
-    def observe_ttft(self, principal: Principal, decision_id: str, ttft_us: float) -> float:
+    async def observe_ttft(self, principal: Principal, decision_id: str, ttft_us: float) -> float:
         """The measured time to first token of a placed request; returns the prediction."""
         authorize(principal, OPERATOR_ROLES)
+        self.lead.check()
         predicted = self._predictions.pop(decision_id, None)
         if predicted is None:
             raise NotFound(f"no recent decision {decision_id} waits for its TTFT")
+        await self._write(DropDecision(decision_id))
         self.metrics.measured_ttft.observe(ttft_us / 1e6)
         if predicted > 0:
             self.metrics.ttft_ratio.observe(ttft_us / predicted)
@@ -497,7 +670,7 @@ class ControllerService:
             try:
                 self.instances.check_set_state(decision.instance, InstanceState.ACTIVE)
                 await self.peers.set_state(decision.instance, InstanceState.ACTIVE)
-                self.instances.set_state(decision.instance, InstanceState.ACTIVE)
+                await self._wake_or_drain(decision.instance, InstanceState.ACTIVE)
             except KvspError as exc:
                 log.warning("could not wake %s: %s", decision.instance, exc.detail)
                 return Decision(
@@ -553,22 +726,74 @@ class ControllerService:
     async def put_checkpoint(
         self, principal: Principal, session: str, checkpoint: SessionCheckpoint
     ) -> CheckpointAnswer:
+        """Record a checkpoint, and acknowledge it only once the store has it: checked by the
+        table, decided by the store (its epoch rules run there), applied to the table."""
         authorize(principal, Role.INSTANCE, scope=checkpoint.scope_id)
         if checkpoint.session != session:
             raise RecordError("the checkpoint names another session than its path")
-        serving = self.sessions.get(session).instance
-        reporter = serving if principal.may_act_for(serving) else principal.name
-        return self.sessions.put_checkpoint(checkpoint, reporter)
+        self.lead.check()
+        async with self._session_locks.hold(session):
+            serving = self.sessions.get(session).instance
+            reporter = canonical_url(serving if principal.may_act_for(serving) else principal.name)
+            if self.sessions.check_checkpoint(checkpoint, reporter):
+                token = self.lead.check()
+                try:
+                    await self.store.checkpoint(token, checkpoint, reporter)
+                except NotLeader as exc:
+                    self.lead.depose(exc.detail)
+                    raise
+            return self.sessions.put_checkpoint(checkpoint, reporter)
 
     async def _fail_over(self, session: str, failed: str, epoch: int) -> None:
-        """Resume ``session`` elsewhere: place it again, then the new epoch and the resume;
-        nothing when it is no longer at epoch ``epoch`` on the ``failed`` instance."""
-        try:
-            entry = self.sessions.get(session)
-        except NotFound:
-            return  # over, or forgotten
-        if (entry.instance, entry.epoch) != (failed, epoch):
-            return  # moved or resumed already
+        """Resume ``session`` elsewhere: place it again, move it (a new epoch, written
+        first), then the resume there; nothing when it is no longer at epoch ``epoch`` on the
+        ``failed`` instance. An instance that refuses the resume is passed over: the session
+        moves on (another epoch) to the next one that can take it."""
+        refused: set[str] = set()
+        while (moved := await self._move(session, failed, epoch, refused)) is not None:
+            target, resumed, max_tokens = moved
+            try:
+                await self.peers.resume(target, resumed, max_tokens)
+            except KvspError as exc:
+                log.error("session %s: resume at %s failed: %s", session, target, exc)
+                self.metrics.failovers.labels("failed").inc()
+                refused.add(target)
+                failed, epoch = target, resumed.epoch
+                continue
+            self.metrics.failovers.labels("resumed").inc()
+            log.info("session %s resumed at %s, epoch %d", session, target, resumed.epoch)
+            return
+
+    async def _move(
+        self, session: str, failed: str, epoch: int, refused: set[str]
+    ) -> tuple[str, SessionCheckpoint, int | None] | None:
+        """Choose where ``session`` resumes and move it there (store first, then table);
+        where, the checkpoint to resume from, and the output limit. None: nothing to do."""
+        async with self._session_locks.hold(session):
+            try:
+                entry = self.sessions.get(session)
+            except NotFound:
+                return None  # over, or forgotten
+            if (entry.instance, entry.epoch) != (failed, epoch):
+                return None  # moved or resumed already
+            target = await self._resumer(entry, refused)
+            if target is None:
+                return None
+            token = self.lead.check()  # a controller that lost its lease resumes nothing
+            try:
+                moved, latest = await self.store.move(
+                    token, entry.scope_id, session, failed, epoch, target
+                )
+            except KvspError as exc:
+                self.lead.depose(exc.detail)
+                raise
+            if not moved:
+                return None
+            return target, self.sessions.move(session, target, latest), entry.max_tokens
+
+    async def _resumer(self, entry: Session, refused: set[str]) -> str | None:
+        """The instance to resume ``entry`` on (placed by cost, among those that may)."""
+        session = entry.session
         blocks = entry.checkpoint.prompt_blocks
         b = self.config.block_tokens
         tenant = self.config.tenants.by_scope(entry.scope_id)
@@ -582,7 +807,10 @@ class ControllerService:
             None if chain is None or chain.shared is None else chain.shared.scope_id,
             0 if chain is None else chain.shared_count,
         )
-        active = resumers(entry, [i.status for i in self.instances.active()])
+        candidates = [i.status for i in self.instances.active()]
+        active = [
+            s for s in resumers(entry, candidates) if canonical_url(s.instance) not in refused
+        ]
         lookup = await self._lookup(request, [s.instance for s in active])
         decision = place(request, lookup, active, [], self.config.placement)
         if decision.instance is None:
@@ -590,23 +818,16 @@ class ControllerService:
                 log.error("session %s: no instance with engine %s", session, entry.engine)
             log.error("session %s: no instance to resume on (%s)", session, decision.reason)
             self.metrics.failovers.labels("no-instance").inc()
-            return
-        resumed = entry.checkpoint.model_copy(update={"epoch": entry.epoch + 1})
-        try:
-            await self.peers.resume(decision.instance, resumed, entry.max_tokens)
-        except KvspError as exc:
-            log.error("session %s: resume at %s failed: %s", session, decision.instance, exc)
-            self.metrics.failovers.labels("failed").inc()
-            return
-        self.sessions.move(session, decision.instance)
-        self.metrics.failovers.labels("resumed").inc()
-        log.info("session %s resumed at %s, epoch %d", session, decision.instance, entry.epoch)
+            return None
+        return canonical_url(decision.instance)
 
     # -- resharding ----------------------------------------------------------------------------
 
-    def register_map(self, principal: Principal, shard_map: ShardMap) -> None:
+    async def register_map(self, principal: Principal, shard_map: ShardMap) -> None:
         authorize(principal, (Role.CONTROLLER,))
+        self.lead.check()
         self.reshards.register(shard_map)
+        await self._write(PutMap(shard_map))
 
     async def reshard(
         self,
@@ -619,12 +840,16 @@ class ControllerService:
         """Move ``map_id`` to ``target`` (or to a proposal over ``instances``): send every
         member its plan, then commit when all acknowledged, or abort."""
         authorize(principal, (Role.CONTROLLER,))
+        self.lead.check()
         current = self.reshards.current(map_id)
         if target is None:
             if not instances:
                 raise RecordError("a reshard needs a target map or a list of instances")
             target = propose(current, instances)
         plans = self.reshards.begin(target, deadline_ms)
+        # in flight: a leader taking over aborts it (v stays), unless its commit was written
+        begun = {"map": map_id, "version": target.version, "commit": False, "members": list(plans)}
+        await self._write(PutReshard(map_id, begun))
 
         async def send(instance: str) -> ReshardResult | None:
             try:
@@ -647,12 +872,24 @@ class ControllerService:
         return result
 
     async def _finish_reshard(self, result: ReshardResult) -> None:
+        """Commit (v+1 and the outcome in one write, before any member hears of it) or
+        abort, then tell every member."""
+        outcome = {"map": result.map, "version": result.version, "commit": result.commit,
+                   "members": list(result.members)}  # fmt: skip
+        changes: list[Change] = [PutReshard(result.map, outcome)]
+        if result.commit:
+            changes.append(PutMap(self.reshards.current(result.map)))
+        await self._write(*changes)
+        self.metrics.reshard_results.labels("committed" if result.commit else "aborted").inc()
+        await self._announce_reshard(result)
+
+    async def _announce_reshard(self, result: ReshardResult) -> None:
+        """Send a written outcome to every member, then forget it."""
         message: ReshardCommit | ReshardAbort = (
             ReshardCommit(map=result.map, commit=result.version)
             if result.commit
             else ReshardAbort(map=result.map, abort=result.version)
         )
-        self.metrics.reshard_results.labels("committed" if result.commit else "aborted").inc()
         for member in result.members:
             try:
                 await self.peers.reshard(member, message)
@@ -660,3 +897,4 @@ class ControllerService:
                 log.warning(
                     "reshard %s to %s: %s", "commit" if result.commit else "abort", member, exc
                 )
+        await self._write(PutReshard(result.map, None))

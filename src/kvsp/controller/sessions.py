@@ -73,7 +73,6 @@ class Session:
     instance: str
     epoch: int
     checkpoint: SessionCheckpoint
-    acknowledged: int = 0
     failovers: int = 0
     #: the request's output limit, passed on to a resumed instance (None: the instance's own)
     max_tokens: int | None = None
@@ -82,6 +81,11 @@ class Session:
     #: the engine identity of the instance serving it: a deterministic session resumes only
     #: on an instance with the same one (KVSP 4.4)
     engine: str | None = None
+
+    @property
+    def acknowledged(self) -> int:
+        """The output offset acknowledged: the recorded checkpoint's (KVSP 6.8)."""
+        return self.checkpoint.output_offset
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -108,6 +112,7 @@ class SessionTable:
             raise ConfigurationError("max_sessions must be >= 1")
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._evicted: list[Session] = []
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -146,7 +151,6 @@ class SessionTable:
             known.max_tokens = max_tokens
             known.turn_done = False
             known.checkpoint = first.model_copy(update={"epoch": known.epoch})
-            known.acknowledged = first.output_offset
             self._sessions.move_to_end(first.session)
             return known
         entry = Session(
@@ -156,18 +160,32 @@ class SessionTable:
             canonical_url(instance),
             first.epoch,
             first,
-            first.output_offset,
             max_tokens=max_tokens,
             engine=engine,
         )
         self._sessions[first.session] = entry
         while len(self._sessions) > self.max_sessions:
-            self._sessions.popitem(last=False)
+            self._evicted.append(self._sessions.popitem(last=False)[1])
         return entry
 
-    def put_checkpoint(self, checkpoint: SessionCheckpoint, instance: str) -> CheckpointAnswer:
-        """Record a checkpoint from ``instance`` (see module doc); refusals change nothing."""
-        session = self.get(checkpoint.session)
+    def take_evicted(self) -> list[Session]:
+        """Sessions forgotten for room since the last call (a durable store drops them too)."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def restore(self, sessions: Sequence[Session]) -> None:
+        """Replace every session with ``sessions`` (a new leader's load), oldest first."""
+        self._sessions.clear()
+        self._evicted.clear()
+        for entry in sessions:
+            self._sessions[entry.session] = entry
+
+    def check_checkpoint(self, checkpoint: SessionCheckpoint, instance: str) -> bool:
+        """Whether ``checkpoint`` would be recorded; refusals raise (see module doc), and
+        nothing changes either way."""
+        session = self._sessions.get(checkpoint.session)
+        if session is None:
+            raise NotFound(f"no session {checkpoint.session}")
         if (checkpoint.scope_id, checkpoint.compat_id) != (session.scope_id, session.compat_id):
             raise RecordError("the checkpoint's scope or compatibility is not the session's")
         if checkpoint.epoch < session.epoch:
@@ -182,10 +200,14 @@ class SessionTable:
             )
         if canonical_url(instance) != session.instance:
             raise Forbidden(f"{instance} does not serve session {session.session}")
-        recorded = checkpoint.output_offset > session.checkpoint.output_offset
+        return checkpoint.output_offset > session.checkpoint.output_offset
+
+    def put_checkpoint(self, checkpoint: SessionCheckpoint, instance: str) -> CheckpointAnswer:
+        """Record a checkpoint from ``instance`` (see module doc); refusals change nothing."""
+        recorded = self.check_checkpoint(checkpoint, instance)
+        session = self.get(checkpoint.session)
         if recorded:
             session.checkpoint = checkpoint
-            session.acknowledged = checkpoint.output_offset
         return CheckpointAnswer(recorded, session.acknowledged, session.epoch)
 
     def close(self, session: str) -> Session:
@@ -198,10 +220,16 @@ class SessionTable:
         url = canonical_url(instance)
         return [s for s in self._sessions.values() if s.instance == url]
 
-    def move(self, session: str, instance: str) -> SessionCheckpoint:
+    def move(
+        self, session: str, instance: str, latest: SessionCheckpoint | None = None
+    ) -> SessionCheckpoint:
         """Fail a session over to ``instance``: the epoch goes up by one, and every later
-        message with the old epoch is refused. Returns the checkpoint to resume from."""
+        message with the old epoch is refused. Returns the checkpoint to resume from: the
+        table's, or ``latest`` (the durable store's, which has the same epoch rules) when it
+        records more output."""
         entry = self.get(session)
+        if latest is not None and latest.output_offset > entry.checkpoint.output_offset:
+            entry.checkpoint = latest
         entry.epoch += 1
         entry.instance = canonical_url(instance)
         entry.failovers += 1

@@ -75,6 +75,7 @@ __all__ = [
     "MethodNotAllowed",
     "NotAccepting",
     "NotFound",
+    "NotLeader",
     "PayloadTooLarge",
     "PeerAnswerTooLarge",
     "PeerError",
@@ -292,6 +293,14 @@ class ServiceUnavailable(KvspError):
     status = 503
     slug = "kvsp-unavailable"
     title = "Service temporarily unavailable"
+
+
+class NotLeader(ServiceUnavailable):
+    """A standby controller: another controller holds the lease, and only it serves; the
+    ``leader`` extension member names it when known (decision 0019)."""
+
+    slug = "kvsp-not-leader"
+    title = "Not the leading controller"
 
 
 class PeerError(ServiceUnavailable):

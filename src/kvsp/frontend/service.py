@@ -8,11 +8,14 @@ across an instance failure.
   template) become tokens; ``temperature`` 0 is greedy, otherwise temperature or top-p sampling
   with a ``seed`` (chosen when absent), whose draws depend only on (seed, step).
 - **Where.** The controller places the request (cost model, prefetch where it pays) and the
-  front end streams ``POST generate`` from the chosen instance.
+  front end streams ``POST generate`` from the chosen instance. The controller is the one of
+  this process, or the leader among several (``frontend.controllers``): a stream comes from
+  the instance, so a controller that dies never cuts it.
 - **Failover.** If the stream breaks, the front end waits until the controller has resumed the
   session elsewhere (a higher epoch), then reads ``GET sessions/{s}/tokens?from=i`` there: every
   index is delivered once, tokens of a lower epoch or an index already delivered are discarded
-  (counted), so the client sees nothing repeated or altered.
+  (counted), so the client sees nothing repeated or altered. If it cannot go on, the stream
+  ends with an error event naming the session and the next index, then ``[DONE]``.
 - **Answer.** Server-sent events in OpenAI's chunk format (``data: {...}`` then ``data:
   [DONE]``) or one JSON object; ``usage`` with ``prompt_tokens_details.cached_tokens``; a
   ``kvsp`` member with the session, the epochs seen, the indexes, and what was discarded.
@@ -30,7 +33,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Protocol, TypeVar, cast
@@ -38,13 +41,12 @@ from typing import Annotated, Any, Literal, Protocol, TypeVar, cast
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from kvsp.auth import Principal, Role
-from kvsp.controller.service import ControllerService, Placement
 from kvsp.core.problems import InvalidInput, KvspError, ServiceUnavailable, Unauthenticated
 from kvsp.core.records import Sampler, SessionName
 from kvsp.core.urls import canonical_url
+from kvsp.frontend.controllers import Controller, Placed
 from kvsp.model import MODEL_NAME, ModelBounds, ModelFiles
-from kvsp.tenants import Tenant
+from kvsp.tenants import Tenant, Tenants
 from kvsp.web.client import KEEPALIVE_EXPIRY_S, auth_headers
 
 __all__ = ["CompletionRequest", "FrontEnd", "Tokenizer", "Turn", "load_frontend"]
@@ -146,7 +148,8 @@ class Turn:
 class FrontEnd:
     def __init__(
         self,
-        service: ControllerService,
+        controller: Controller,
+        tenants: Tenants,
         tokenizer: Tokenizer,
         compat_id: str,
         model: str,
@@ -155,7 +158,10 @@ class FrontEnd:
         instance_token: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self.service = service
+        self.controller = controller
+        self.tenants = tenants
+        #: calls to the controller that nobody waits for (a client that went away)
+        self._later: set[asyncio.Task[None]] = set()
         self.tokenizer = tokenizer
         self.bounds = bounds
         #: tokenizing runs here, one request at a time, never on the event loop (a 2 MiB chat
@@ -172,7 +178,11 @@ class FrontEnd:
         )
 
     async def aclose(self) -> None:
+        for task in list(self._later):
+            with contextlib.suppress(asyncio.CancelledError, KvspError):
+                await task
         await self.http.aclose()
+        await self.controller.aclose()
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     # -- who and what --------------------------------------------------------------------------
@@ -181,7 +191,7 @@ class FrontEnd:
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise Unauthenticated("expected 'Authorization: Bearer <API key>'")
-        found = self.service.config.tenants.by_api_key(key.strip())
+        found = self.tenants.by_api_key(key.strip())
         if found is None:
             raise Unauthenticated("unknown API key")
         return found
@@ -247,37 +257,29 @@ class FrontEnd:
         started = time.perf_counter()
         max_tokens = request.max_completion_tokens or request.max_tokens or 16
         tokens = await self.prompt(request, max_tokens)
-        principal = Principal(
-            f"tenant:{tenant.name}", frozenset({Role.CLIENT}), frozenset({tenant.scope_id}),
-            frozenset(),
-        )  # fmt: skip
         sampler = request.sampler()
-        placement = await self.service.place(
-            principal, tenant.name, self.compat_id, tokens, request.session or str(uuid.uuid4()),
-            sampler, max_tokens=max_tokens,
+        placement = await self.controller.place(
+            tenant, self.compat_id, tokens, request.session or str(uuid.uuid4()), sampler,
+            max_tokens,
         )  # fmt: skip
-        session = placement.session
-        assert session is not None  # a placement for a named session names it
-        instance = placement.decision.instance
-        if instance is None:
-            raise ServiceUnavailable(f"no instance can take the request: {placement.decision}")
-        turn = Turn(session, canonical_url(instance), len(tokens))
+        if placement.instance is None:
+            raise ServiceUnavailable(f"no instance can take the request: {placement.reason}")
+        turn = Turn(placement.session, canonical_url(placement.instance), len(tokens))
         served = placement.sampler or sampler  # deterministic only where failover keeps it so
         body = {
             "tenant": tenant.name, "tokens": tokens, "sampler": served.to_json(),
-            "max_tokens": max_tokens, "session": session,
-            "epoch": placement.session_epoch or 0,
+            "max_tokens": max_tokens, "session": placement.session, "epoch": placement.epoch,
         }  # fmt: skip
-        stream = self._stream(turn, body, placement, started, principal, request)
+        stream = self._stream(turn, body, placement, started, tenant, request)
         return turn, stream
 
     async def _stream(
         self,
         turn: Turn,
         body: dict[str, Any],
-        placement: Placement,
+        placement: Placed,
         started: float,
-        principal: Principal,
+        tenant: Tenant,
         request: CompletionRequest,
     ) -> AsyncGenerator[int, None]:
         epoch = int(body["epoch"])
@@ -319,13 +321,13 @@ class FrontEnd:
                             turn.epochs.append(epoch)
                             if turn.ttft_s is None:
                                 turn.ttft_s = time.perf_counter() - started
-                                self._report_ttft(principal, placement, turn.ttft_s)
+                                self._report_ttft(tenant, placement, turn.ttft_s)
                             if doc["token"] in self.stop_ids:
                                 turn.finish_reason = "stop"
                             yield doc["token"]
                 except (httpx.TransportError, json.JSONDecodeError, SessionMoved) as exc:
                     log.warning("stream of %s from %s broke: %s", turn.session, turn.instance, exc)
-                    epoch, turn.instance = await self._moved(turn.session, epoch)
+                    epoch, turn.instance = await self._moved(tenant, turn.session, epoch)
                     turn.resumed += 1
                     first = False
         except (GeneratorExit, asyncio.CancelledError):
@@ -333,40 +335,53 @@ class FrontEnd:
             raise
         finally:
             if not abandoned:
-                await self._turn_done(principal, turn, request)
+                await self._turn_done(tenant, turn, request)
             elif request.session is None:
-                self.service.forget_session(turn.session)
+                self._call_later(self.controller.forget(tenant, turn.session), turn.session)
             else:
-                self.service.abandon_turn(turn.session)
+                self._call_later(self.controller.abandon(tenant, turn.session), turn.session)
 
-    async def _moved(self, session: str, epoch: int) -> tuple[int, str]:
+    def _call_later(self, work: Coroutine[Any, Any, None], session: str) -> None:
+        """Tell the controller without waiting (the client went away: nobody waits)."""
+
+        async def run() -> None:
+            try:
+                await work
+            except KvspError as exc:
+                log.info("session %s: %s", session, exc.detail)
+
+        task = asyncio.create_task(run())
+        self._later.add(task)
+        task.add_done_callback(self._later.discard)
+
+    async def _moved(self, tenant: Tenant, session: str, epoch: int) -> tuple[int, str]:
         """Wait until the controller resumed ``session`` with a higher epoch; where."""
         deadline = time.monotonic() + RESUME_WAIT_S
         while time.monotonic() < deadline:
             try:
-                entry = self.service.sessions.get(session)
+                where = await self.controller.where(tenant, session)
             except KvspError:
-                entry = None
-            if entry is not None and entry.epoch > epoch:
-                return entry.epoch, entry.instance
+                where = None  # no controller leads for a moment
+            if where is not None and where[0] > epoch:
+                return where[0], canonical_url(where[1])
             await asyncio.sleep(0.05)
         raise ServiceUnavailable(f"session {session} was not resumed within {RESUME_WAIT_S} s")
 
-    def _report_ttft(self, principal: Principal, placement: Placement, ttft_s: float) -> None:
-        with contextlib.suppress(KvspError):  # an unknown decision: nothing to compare with
-            self.service.observe_ttft(principal, placement.decision_id, ttft_s * 1e6)
+    def _report_ttft(self, tenant: Tenant, placement: Placed, ttft_s: float) -> None:
+        self._call_later(
+            self.controller.report_ttft(tenant, placement.decision, ttft_s * 1e6),
+            placement.session,
+        )
 
-    async def _turn_done(
-        self, principal: Principal, turn: Turn, request: CompletionRequest
-    ) -> None:
+    async def _turn_done(self, tenant: Tenant, turn: Turn, request: CompletionRequest) -> None:
         """The conversation goes on (the hint policy hears of the turn's end), or the request's
         own session is forgotten."""
         try:
             if request.session is None:
-                self.service.forget_session(turn.session)
+                await self.controller.forget(tenant, turn.session)
             else:
-                await self.service.turn_ended(
-                    principal, turn.session, request.tool_call, request.expected_gap_ms
+                await self.controller.turn_ended(
+                    tenant, turn.session, request.tool_call, request.expected_gap_ms
                 )
         except KvspError as exc:
             log.info("end of turn of %s: %s", turn.session, exc.detail)
@@ -433,9 +448,11 @@ class FrontEnd:
                     delta, sent = text[len(sent) :], text
                     index = {"index": len(ids) - 1, "epoch": turn.epochs[-1], "token": token}
                     yield chunk(delta, None, {"kvsp": index})
-            except KvspError as exc:
-                error = {"error": {"message": exc.detail, "type": exc.slug}}
+            except KvspError as exc:  # the client can resume: the session, from this index
+                error = {"error": {"message": exc.detail, "type": exc.slug},
+                         "kvsp": {"session": turn.session, "next_index": len(ids)}}  # fmt: skip
                 yield b"data: " + json.dumps(error).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
                 return
             final = {"usage": self._usage(turn), "kvsp": turn.summary()}
             yield chunk("", turn.finish_reason, final)
@@ -454,7 +471,7 @@ class FrontEnd:
 
 
 def load_frontend(
-    service: ControllerService, files: ModelFiles, instance_token: str | None = None
+    controller: Controller, tenants: Tenants, files: ModelFiles, instance_token: str | None = None
 ) -> FrontEnd:
     """A front end for the installed model: its tokenizer and chat template, its
     Compatibility ID, its end-of-sequence tokens."""
@@ -464,7 +481,8 @@ def load_frontend(
     eos = tokenizer.eos_token_id
     stop = frozenset([eos] if isinstance(eos, int) else (eos or []))
     return FrontEnd(
-        service,
+        controller,
+        tenants,
         cast(Tokenizer, tokenizer),  # HF's signatures are wider than what we call
         files.compat_id.hex(),
         MODEL_NAME.lower(),

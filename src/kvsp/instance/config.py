@@ -24,6 +24,8 @@ class InstanceConfig:
     #: the rate G2 is read at, reported in Replica Records (memcpy on these machines)
     g2_read_mbit_per_s: float = 96_000.0
     block_tokens: int = 16
+    #: the controller's base URL; several, separated by commas, for controllers sharing one
+    #: state (decision 0019): a standby sends the instance on to the leader
     controller_url: str | None = None
     index_url: str | None = None
     #: this instance's bearer token for the controller, the IS and other holders

@@ -95,6 +95,10 @@ log = logging.getLogger("kvsp.instance")
 _UNKNOWN = -1  # the id of a prompt token whose KV was imported from a block
 
 
+#: how long a request to the controllers goes from one to the next (none leads for a moment
+#: while a standby takes over: decision 0019), and how long a checkpoint is sent again
+CONTROLLER_FAILOVER_S = 5.0
+CHECKPOINT_RESEND_S = 60.0
 #: how often the instance registers its descriptor at the IS again
 REGISTER_EVERY_S = 60.0
 #: whose turn the controller's own engine work (sequence shards) takes
@@ -155,7 +159,9 @@ class InstanceService:
         self.controller = (
             None
             if config.controller_url is None
-            else ControllerClient(config.controller_url, config.token)
+            else ControllerClient(
+                config.controller_url.split(","), config.token, failover_s=CONTROLLER_FAILOVER_S
+            )
         )
         #: measured transfer rate (Mbit/s) and round trip (us) per holder fetched from
         self.links = LinkEstimates()
@@ -521,16 +527,35 @@ class InstanceService:
         session.notify()
 
     async def _checkpoint(self, session: Session) -> None:
-        """Send the session's checkpoint; the gate releases what the answer acknowledges."""
-        if self.controller is None:
-            return
+        """Send the session's checkpoint; the gate releases what the answer acknowledges.
+        While no controller can take it (none leads for a moment, or its state store is
+        away), the latest checkpoint is sent again until one does, for at most
+        ``CHECKPOINT_RESEND_S``: tokens waiting for an acknowledgement are never dropped."""
+        if self.controller is None or session.resending:
+            return  # the sender already at work sends the latest
+        session.resending = True
+        pause, deadline = 0.05, time.monotonic() + CHECKPOINT_RESEND_S
         try:
-            acknowledged = await self.controller.checkpoint(session.checkpoint(self.compat_id))
-        except KvspError as exc:
-            log.warning("checkpoint of %s: %s", session.session, exc.detail)
-            return
+            while True:
+                try:
+                    checkpoint = session.checkpoint(self.compat_id)
+                    acknowledged = await self.controller.checkpoint(checkpoint)
+                    break
+                except ServiceUnavailable as exc:
+                    if session.cancelled == MOVED or time.monotonic() >= deadline:
+                        log.warning("checkpoint of %s: %s", session.session, exc.detail)
+                        return
+                except KvspError as exc:
+                    log.warning("checkpoint of %s: %s", session.session, exc.detail)
+                    return
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 0.5)
+        finally:
+            session.resending = False
         session.gate.on_ack(acknowledged)
         session.notify()
+        if checkpoint.output_offset < len(session.generated) and session.gate.gated:
+            self._spawn(self._checkpoint(session))  # more came while this one was in flight
 
     def stream(
         self, session_id: str, start: int, principal: Principal

@@ -61,6 +61,8 @@ class Session:
     #: why generation was stopped early (read by the engine thread between steps)
     cancelled: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: a checkpoint is being sent again until the controller takes it (one sender at a time)
+    resending: bool = False
 
     @property
     def released(self) -> int:

@@ -9,7 +9,10 @@ HTTP is the transport branch of the tree (``PeerUnreachable``, ``PeerTimeout``,
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Self
 
@@ -23,6 +26,7 @@ from kvsp.core.problems import (
     KvspError,
     MethodNotAllowed,
     NotFound,
+    NotLeader,
     PayloadTooLarge,
     PeerError,
     PeerProtocolError,
@@ -96,22 +100,30 @@ class ClosingClient:
 
 class JsonClient(ClosingClient):
     """An httpx client for a kvsp JSON service: bearer token, JSON content type, problem
-    documents raised as kvsp errors, and an unreachable peer as ``ServiceUnavailable``."""
+    documents raised as kvsp errors, and an unreachable peer as ``ServiceUnavailable``.
+
+    Given several base URLs (controllers sharing one state, of which one leads), a request
+    that finds its URL unreachable or a standby (``NotLeader``) goes to the leader that one
+    names, else to the next URL, until one answers or ``failover_s`` has passed; the URL that
+    answered is tried first next time."""
 
     #: what the peer is called in errors ("index service", "instance")
     peer = "service"
 
     def __init__(
         self,
-        base_url: str = "",
+        base_url: str | Sequence[str] = "",
         token: str | None = None,
         timeout_s: float = 5.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        failover_s: float = 0.0,
     ) -> None:
-        if base_url and not base_url.endswith("/"):
-            base_url += "/"
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        self._urls = [u if not u or u.endswith("/") else u + "/" for u in urls]
+        self._current = 0
+        self._failover_s = failover_s
         self._http = httpx.AsyncClient(
-            base_url=base_url,
+            base_url=self._urls[0] if len(self._urls) == 1 else "",
             headers={**auth_headers(token), "content-type": JSON_MEDIA_TYPE},
             timeout=timeout_s,
             transport=transport,
@@ -130,14 +142,34 @@ class JsonClient(ClosingClient):
         timeout_s: float | None = None,
     ) -> httpx.Response:
         timeout = self._http.timeout if timeout_s is None else httpx.Timeout(timeout_s)
-        try:
-            response = await self._http.request(
-                method, url, content=body, params=params, timeout=timeout
-            )
-        except transport_errors as exc:
-            raise peer_error(exc, self.peer) from None
-        raise_for_problem(response)
-        return response
+        deadline = time.monotonic() + self._failover_s
+        pause = 0.05
+        while True:
+            base = "" if len(self._urls) == 1 else self._urls[self._current]
+            try:
+                try:
+                    response = await self._http.request(
+                        method, base + url, content=body, params=params, timeout=timeout
+                    )
+                except transport_errors as exc:
+                    raise peer_error(exc, self.peer) from None
+                raise_for_problem(response)
+                return response
+            except (PeerError, NotLeader) as exc:
+                if len(self._urls) == 1 or time.monotonic() >= deadline:
+                    raise
+                self._current = self._next(exc)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.25)
+
+    def _next(self, exc: KvspError) -> int:
+        """The URL to try after ``exc``: the leader a standby named, else the next one."""
+        leader = exc.extensions.get("leader")
+        if isinstance(leader, str) and leader in self._urls:
+            named = self._urls.index(leader)
+            if named != self._current:
+                return named
+        return (self._current + 1) % len(self._urls)
 
 
 def auth_headers(token: str | None) -> dict[str, str]:
