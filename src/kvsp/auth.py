@@ -51,6 +51,9 @@ class Role(StrEnum):
     INSTANCE = "instance"
     CONTROLLER = "controller"
     CLIENT = "client"
+    #: a front end on its own (``kvsp frontend serve``): places requests for its tenants and
+    #: streams them, naming sessions as the controller named them (decision 0019)
+    FRONTEND = "frontend"
     #: reads ``GET metrics`` (which names scopes and principals), nothing else
     METRICS = "metrics"
     ADMIN = "admin"

@@ -676,15 +676,28 @@ def up_command(
     ] = None,
     g1_blocks: Annotated[int, typer.Option("--g1-blocks", min=1)] = 256,
     g2_bytes: Annotated[str, typer.Option("--g2-bytes")] = "1G",
+    controllers: Annotated[
+        int,
+        typer.Option(
+            "--controllers",
+            min=1,
+            max=8,
+            help="controllers sharing one state in a local redis-server (one leads)",
+        ),
+    ] = 1,
 ) -> None:
     """Run an Index Service, a controller with the OpenAI-compatible front end, a holder and
-    INSTANCES inference instances on loopback until Ctrl-C (install the model first)."""
+    INSTANCES inference instances on loopback until Ctrl-C (install the model first). With
+    --controllers N, N controllers share their state in a redis-server that kvsp up starts
+    and stops, and the front end runs on its own before them."""
     import tempfile
 
     from kvsp.local import LocalCluster
 
     where = folder or Path(tempfile.mkdtemp(prefix="kvsp-up-"))
-    cluster = LocalCluster(where, instances, port, g1_blocks, g2_bytes)
+    cluster = LocalCluster(
+        where, instances, port, controllers, g1_blocks=g1_blocks, g2_bytes=g2_bytes
+    )
     # stop cleanly on SIGTERM too, and on Ctrl-C even when started with SIGINT ignored (as a
     # shell's background job is)
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -770,7 +783,8 @@ def _announce(cluster: LocalCluster) -> None:
         "kvsp is up",
         f"  OpenAI base URL  {base}",
         *(f"  API key          {key}  (tenant {name})" for name, key in cluster.api_keys.items()),
-        f"  controller       {info['controller']}  (operator token {info['operator_token']})",
+        *(f"  controller       {p.url}" for p in cluster.controller_processes),
+        f"  operator token   {info['operator_token']}",
         f"  metrics token    {cluster.metrics_token}  (GET metrics on every service)",
         f"  Index Service    {info['index']}",
         f"  holder           {info['holder']}",

@@ -1,6 +1,9 @@
 """A whole kvsp cluster on this machine: an Index Service, a controller with the OpenAI-compatible
 front end, a holder that keeps a copy of every block (so a session outlives its instance), and
-inference instances, each a separate process on loopback.
+inference instances, each a separate process on loopback. With ``controllers`` > 1 the
+controllers share their state in a ``redis-server`` of the cluster's own (one leads, the others
+stand by), and the front end runs on its own before them, so a controller's death cuts no
+stream.
 
 ``LocalCluster`` writes what the services need into its folder (a principals file with one token
 per service and one for the operator, a tenants file with one tenant and its API key, the token
@@ -11,9 +14,11 @@ then SIGKILL for any that has not exited after a grace period, so no process is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +36,14 @@ from kvsp.model import installed, system_prefix
 from kvsp.tenants import Tenants
 
 __all__ = ["LocalCluster", "Process", "free_port"]
+
+
+def _redis_server() -> str:
+    found = shutil.which("redis-server")
+    if found is None:
+        raise ServiceUnavailable("redis-server is not installed (`make setup` installs it)")
+    return found
+
 
 #: the tenants ``kvsp up`` makes: try one against the other
 TENANTS = ("demo", "other")
@@ -59,20 +72,42 @@ class Process:
     port: int
     log: Path
     popen: subprocess.Popen[bytes] | None = None
+    #: a program that is not kvsp (``redis-server``): run as it is, and probed by ``PING``
+    program: str | None = None
 
     @property
     def url(self) -> str:
+        if self.program is not None:
+            return f"redis://127.0.0.1:{self.port}/0"
         return f"http://127.0.0.1:{self.port}/kvsp/"
 
     def start(self) -> None:
         out = self.log.open("ab")
+        command = (
+            [sys.executable, "-m", "kvsp", *self.args, "--port", str(self.port)]
+            if self.program is None
+            else [self.program, *self.args, "--port", str(self.port)]
+        )
         # a session of its own: a Ctrl-C in the terminal reaches ``kvsp up``, which then stops
         # every process in order, instead of each child on its own
         self.popen = subprocess.Popen(  # noqa: S603 - our own command line, no shell
-            [sys.executable, "-m", "kvsp", *self.args, "--port", str(self.port)],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         out.close()
+
+    def healthy(self) -> bool:
+        if self.program is not None:
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), timeout=1) as probe,
+            ):
+                probe.sendall(b"PING\r\n")
+                return probe.recv(16).startswith(b"+PONG")
+            return False
+        try:
+            return httpx.get(self.url + "healthz", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
@@ -83,6 +118,8 @@ class LocalCluster:
     folder: Path
     instances: int = 2
     controller_port: int | None = None
+    #: controllers sharing one state (in a redis-server of the cluster's); 1: in memory
+    controllers: int = 1
     #: per instance: G1 blocks and G2 bytes
     g1_blocks: int = 256
     g2_bytes: str = "1G"
@@ -128,12 +165,14 @@ class LocalCluster:
         index_port = free_port()
         holder_port = free_port()
         holder_url = f"http://127.0.0.1:{holder_port}/kvsp/"
-        controller_port = self.controller_port or free_port()
+        controller_ports = [self.controller_port or free_port()]
+        controller_ports += [free_port() for _ in range(self.controllers - 1)]
+        controller_urls = [f"http://127.0.0.1:{p}/kvsp/" for p in controller_ports]
         ports = [free_port() for _ in range(self.instances)]
         urls = [f"http://127.0.0.1:{p}/kvsp/" for p in ports]
         tokens = {
             name: secrets.token_hex(24)
-            for name in ["controller", "holder", "metrics", *map(str, ports)]
+            for name in ["controller", "holder", "metrics", "frontend", *map(str, ports)]
         }
         scope_keys = {name: secrets.token_hex(32) for name in self.api_keys}
         self.scope_ids = {n: scope_id(bytes.fromhex(k)).hex() for n, k in scope_keys.items()}
@@ -146,6 +185,7 @@ class LocalCluster:
             self._principal("controller", tokens["controller"], ["controller"], urls, scopes),
             self._principal("holder", tokens["holder"], ["holder"], [holder_url], scopes),
             self._principal("metrics", tokens["metrics"], ["metrics"], [], []),
+            self._principal("frontend", tokens["frontend"], ["frontend"], [], scopes),
             *(
                 self._principal(f"instance-{p}", tokens[str(p)], ["instance"], [u], scopes)
                 for p, u in zip(ports, urls, strict=True)
@@ -178,13 +218,36 @@ class LocalCluster:
             "index", ["index", "serve", "--auth", auth, "--quotas", quotas, "--descriptors",
                       descriptors, "--log-level", "warning"], index_port, logs / "index.log",
         )  # fmt: skip
-        controller = Process(
-            "controller",
-            ["controller", "serve", "--tenants", tenants, "--index", index.url, "--auth", auth,
-             "--index-token-file", controller_token, "--instance-token-file", controller_token,
-             "--frontend", "--log-level", "warning"],
-            controller_port, logs / "controller.log",
-        )  # fmt: skip
+        several = self.controllers > 1
+        state: list[Process] = []
+        if several:  # durable: an acknowledged checkpoint outlives a Redis crash too
+            state = [Process("redis", ["--bind", "127.0.0.1", "--save", "", "--appendonly",
+                                       "yes", "--appendfsync", "always", "--dir",
+                                       str(self.folder)],
+                             free_port(), logs / "redis.log", program=_redis_server())]  # fmt: skip
+        common = ["controller", "serve", "--tenants", tenants, "--index", index.url, "--auth",
+                  auth, "--index-token-file", controller_token, "--instance-token-file",
+                  controller_token, "--log-level", "warning"]  # fmt: skip
+        controllers = [
+            Process("controller", [*common, "--frontend"], controller_ports[0],
+                    logs / "controller.log")
+        ]  # fmt: skip
+        if several:
+            controllers = [
+                Process(f"controller-{n}", [*common, "--state", state[0].url, "--url", url],
+                        port, logs / f"controller-{n}.log")
+                for n, (port, url) in enumerate(zip(controller_ports, controller_urls, strict=True))
+            ]  # fmt: skip
+        fronts: list[Process] = []
+        if several:
+            frontend_token = str(self._write("frontend.token", tokens["frontend"]))
+            choices = [x for u in controller_urls for x in ("--controller", u)]
+            fronts = [Process(
+                "frontend",
+                ["frontend", "serve", "--tenants", tenants, "--token-file", frontend_token,
+                 "--log-level", "warning", *choices],
+                free_port(), logs / "frontend.log",
+            )]  # fmt: skip
         holder = Process(
             "holder",
             ["holder", "serve", "--url", holder_url, "--host-bytes", self.holder_bytes, "--index",
@@ -192,7 +255,7 @@ class LocalCluster:
              "--log-level", "warning"],
             holder_port, logs / "holder.log",
         )  # fmt: skip
-        self.processes = [index, controller, holder]
+        self.processes = [*state, index, *controllers, holder]
         for n, (port, url) in enumerate(zip(ports, urls, strict=True)):
             token = str(self._write(f"instance-{n}.token", tokens[str(port)]))
             self.processes.append(
@@ -208,7 +271,7 @@ class LocalCluster:
                         "--auth",
                         auth,
                         "--controller",
-                        controller.url,
+                        ",".join(controller_urls),
                         "--index",
                         index.url,
                         "--token-file",
@@ -231,6 +294,7 @@ class LocalCluster:
                     logs / f"instance-{n}.log",
                 )
             )
+        self.processes += fronts
         self._write("cluster.json", json.dumps(self.describe(), indent=2))
 
     @staticmethod
@@ -245,28 +309,48 @@ class LocalCluster:
 
     # -- running ---------------------------------------------------------------------------------
 
+    def _named(self, prefix: str) -> list[Process]:
+        return [p for p in self.processes if p.name.split("-")[0] == prefix]
+
     @property
     def index(self) -> Process:
-        return self.processes[0]
+        return self._named("index")[0]
+
+    @property
+    def controller_processes(self) -> list[Process]:
+        return self._named("controller")
 
     @property
     def controller(self) -> Process:
-        return self.processes[1]
+        """The first controller (the only one, unless several share a state)."""
+        return self.controller_processes[0]
+
+    @property
+    def frontend(self) -> Process:
+        """Where the OpenAI-compatible API is served: a front end of its own before several
+        controllers, else the controller."""
+        return (self._named("frontend") or [self.controller])[0]
+
+    @property
+    def redis(self) -> Process | None:
+        return next(iter(self._named("redis")), None)
 
     @property
     def holder(self) -> Process:
-        return self.processes[2]
+        return self._named("holder")[0]
 
     @property
     def instance_processes(self) -> list[Process]:
-        return self.processes[3:]
+        return self._named("instance")
 
     def describe(self) -> dict[str, object]:
         return {
             "index": self.index.url,
             "controller": self.controller.url,
+            "controllers": [p.url for p in self.controller_processes],
+            "state": "memory" if self.redis is None else self.redis.url,
             "holder": self.holder.url,
-            "openai_base_url": self.controller.url + "v1",
+            "openai_base_url": self.frontend.url + "v1",
             "instances": [p.url for p in self.instance_processes],
             "api_key": self.api_key,
             "api_keys": self.api_keys,
@@ -296,23 +380,26 @@ class LocalCluster:
             if not process.alive():
                 tail = process.log.read_text(errors="replace")[-2000:]
                 raise ServiceUnavailable(f"{process.name} exited at start:\n{tail}")
-            try:
-                if httpx.get(process.url + "healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
+            if process.healthy():
+                return
             time.sleep(0.1)
         raise ServiceUnavailable(f"{process.name} did not answer within {timeout_s} s")
 
     def view(self) -> list[dict[str, object]]:
-        """The controller's view of the instances."""
-        answer = httpx.get(
-            self.controller.url + "instances",
-            headers={"authorization": f"Bearer {self.operator_token}"},
-            timeout=5,
-        )
-        instances: list[dict[str, object]] = answer.json()["instances"]
-        return instances
+        """The leading controller's view of the instances (none while none leads)."""
+        for controller in self.controller_processes:
+            try:
+                answer = httpx.get(
+                    controller.url + "instances",
+                    headers={"authorization": f"Bearer {self.operator_token}"},
+                    timeout=5,
+                )
+            except httpx.TransportError:
+                continue
+            if answer.status_code == 200:
+                instances: list[dict[str, object]] = answer.json()["instances"]
+                return instances
+        return []
 
     def wait_active(self, count: int, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s

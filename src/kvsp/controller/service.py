@@ -90,7 +90,7 @@ __all__ = ["ControllerConfig", "ControllerService", "Launcher", "Placement"]
 log = logging.getLogger("kvsp.controller")
 
 #: Roles that may ask for placements and report their TTFT.
-OPERATOR_ROLES = (Role.CONTROLLER, Role.CLIENT)
+OPERATOR_ROLES = (Role.CONTROLLER, Role.FRONTEND, Role.CLIENT)
 #: Decisions whose measured TTFT may still be reported.
 MAX_PREDICTIONS = 65_536
 

@@ -127,8 +127,8 @@ class InProcessController:
 
 
 class RemoteController(JsonClient):
-    """Controllers over HTTP, as the front end's principal (role ``client`` in every tenant's
-    scope): whichever of ``urls`` leads answers."""
+    """Controllers over HTTP, as the front end's principal (role ``frontend`` in every
+    tenant's scope): whichever of ``urls`` leads answers."""
 
     peer = "controller"
 

@@ -252,9 +252,10 @@ def create_app(service: InstanceService, principals: Principals) -> Starlette:
         # blocks come in only from peer instances, on the controller's share hint
         *block_ops(service.holder, get_roles=(Role.INSTANCE, Role.CLIENT), put_roles=peers),
         Op("POST", "generate", generate, "generate for a prompt (a stream of tokens)",
-           (Role.CONTROLLER, Role.CLIENT), "the tenant's scope", GenerateRequest, {200: NDJSON}),
+           (Role.CONTROLLER, Role.FRONTEND, Role.CLIENT), "the tenant's scope", GenerateRequest,
+           {200: NDJSON}),
         Op("GET", "sessions/{session}/tokens", tokens, "a session's tokens from an index",
-           (Role.CONTROLLER, Role.CLIENT), "the session's scope",
+           (Role.CONTROLLER, Role.FRONTEND), "the session's scope",
            query={"from": {"type": "string"}}, answers={200: NDJSON}),
         Op("POST", "sessions/{session}/resume", resume, "resume a session (KVSP 6.8)",
            controller, "the checkpoint's scope", SessionCheckpoint, {200: session_answer}),

@@ -95,6 +95,8 @@ log = logging.getLogger("kvsp.instance")
 _UNKNOWN = -1  # the id of a prompt token whose KV was imported from a block
 
 
+#: who sends sessions named by the controller already (a client's names are namespaced here)
+NAMED_BY_CONTROLLER = (Role.CONTROLLER, Role.FRONTEND)
 #: how long a request to the controllers goes from one to the next (none leads for a moment
 #: while a standby takes over: decision 0019), and how long a checkpoint is sent again
 CONTROLLER_FAILOVER_S = 5.0
@@ -369,11 +371,11 @@ class InstanceService:
     ) -> Session:
         """Start generating for a prompt; read the tokens with ``stream``. ``kv_hints`` (from
         the controller only) are executed once the request is done."""
-        authorize(principal, (Role.CONTROLLER, Role.CLIENT))
+        authorize(principal, (Role.CONTROLLER, Role.FRONTEND, Role.CLIENT))
         if kv_hints is not None:
             authorize(principal, Role.CONTROLLER)
         tenant = self.config.tenants.for_principal(principal, tenant_name)
-        if session_id is not None and not principal.has_any_role((Role.CONTROLLER,)):
+        if session_id is not None and not principal.has_any_role(NAMED_BY_CONTROLLER):
             # a client's own name for a session, in its tenant's namespace
             session_id = tenant_session(tenant.scope_id, session_id)
         self._check_accepting()
@@ -502,7 +504,7 @@ class InstanceService:
                 session.hints[0], self.compat_id, session.hints[1]
             )
         if session.cancelled != MOVED:  # a moved session's epoch is over at the controller
-            await self._checkpoint(session)
+            await self._checkpoint(session, last=True)
         # done only once the last checkpoint released what it covers: a reader woken meanwhile
         # (by another checkpoint's answer) must not take the session for over and stop short
         session.done = True
@@ -526,36 +528,39 @@ class InstanceService:
             self._spawn(self._checkpoint(session))
         session.notify()
 
-    async def _checkpoint(self, session: Session) -> None:
+    async def _checkpoint(self, session: Session, last: bool = False) -> None:
         """Send the session's checkpoint; the gate releases what the answer acknowledges.
         While no controller can take it (none leads for a moment, or its state store is
         away), the latest checkpoint is sent again until one does, for at most
-        ``CHECKPOINT_RESEND_S``: tokens waiting for an acknowledgement are never dropped."""
-        if self.controller is None or session.resending:
+        ``CHECKPOINT_RESEND_S``: tokens waiting for an acknowledgement are never dropped.
+        One sender at a time; the ``last`` one (the session is over) waits its turn."""
+        if self.controller is None or (session.checkpointing.locked() and not last):
             return  # the sender already at work sends the latest
-        session.resending = True
+        async with session.checkpointing:
+            while await self._send_checkpoint(session):
+                pass  # more came while one was in flight, and it waits for an acknowledgement
+
+    async def _send_checkpoint(self, session: Session) -> bool:
+        """One checkpoint, sent until taken; whether tokens came meanwhile that wait."""
+        assert self.controller is not None  # checked by the caller
         pause, deadline = 0.05, time.monotonic() + CHECKPOINT_RESEND_S
-        try:
-            while True:
-                try:
-                    checkpoint = session.checkpoint(self.compat_id)
-                    acknowledged = await self.controller.checkpoint(checkpoint)
-                    break
-                except ServiceUnavailable as exc:
-                    if session.cancelled == MOVED or time.monotonic() >= deadline:
-                        log.warning("checkpoint of %s: %s", session.session, exc.detail)
-                        return
-                except KvspError as exc:
+        while True:
+            try:
+                checkpoint = session.checkpoint(self.compat_id)
+                acknowledged = await self.controller.checkpoint(checkpoint)
+                break
+            except ServiceUnavailable as exc:
+                if session.cancelled == MOVED or time.monotonic() >= deadline:
                     log.warning("checkpoint of %s: %s", session.session, exc.detail)
-                    return
-                await asyncio.sleep(pause)
-                pause = min(2 * pause, 0.5)
-        finally:
-            session.resending = False
+                    return False
+            except KvspError as exc:
+                log.warning("checkpoint of %s: %s", session.session, exc.detail)
+                return False
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 0.5)
         session.gate.on_ack(acknowledged)
         session.notify()
-        if checkpoint.output_offset < len(session.generated) and session.gate.gated:
-            self._spawn(self._checkpoint(session))  # more came while this one was in flight
+        return checkpoint.output_offset < len(session.generated) and session.gate.gated
 
     def stream(
         self, session_id: str, start: int, principal: Principal

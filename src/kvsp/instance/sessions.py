@@ -61,8 +61,8 @@ class Session:
     #: why generation was stopped early (read by the engine thread between steps)
     cancelled: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    #: a checkpoint is being sent again until the controller takes it (one sender at a time)
-    resending: bool = False
+    #: one checkpoint sender at a time (it sends the latest checkpoint when it goes)
+    checkpointing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def released(self) -> int:
@@ -120,9 +120,17 @@ class Session:
             "cached": self.cached,
             "kv_hints": [o.to_json() for o in self.hint_outcomes],
             "generated": len(self.generated),
-            "error": self.error,
+            "error": self.error or self.unacknowledged(),
             "moved": self.cancelled == MOVED,
         }
+
+    def unacknowledged(self) -> str | None:
+        """Why a finished session's stream stops short: tokens that no controller
+        acknowledged may not be released (KVSP 6.8); the reader must fail, not end."""
+        held = len(self.generated) - self.released
+        if held <= 0 or self.cancelled == MOVED:
+            return None
+        return f"{held} generated tokens were never acknowledged by a controller"
 
     def notify(self) -> None:
         self.changed.set()
