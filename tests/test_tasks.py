@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvsp.tasks import Wakeup
+from kvsp.tasks import KeyedLocks, Wakeup
 
 pytestmark = pytest.mark.anyio
 
@@ -44,3 +44,32 @@ async def test_news_before_the_look_is_not_missed_and_a_timeout_ends_the_wait() 
         started = time.monotonic()
         await wait(0.05)
     assert 0.04 <= time.monotonic() - started < 5.0
+
+
+async def test_keyed_locks_serialise_one_key_run_others_in_parallel_and_forget_idle_keys() -> None:
+    locks = KeyedLocks()
+    order: list[str] = []
+
+    async def hold(key: str, name: str, gate: asyncio.Event) -> None:
+        async with locks.hold(key):
+            order.append(f"{name}+")
+            await gate.wait()
+            order.append(f"{name}-")
+
+    first, second, other = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    tasks = [
+        asyncio.create_task(hold("s1", "a", first)),
+        asyncio.create_task(hold("s1", "b", second)),
+        asyncio.create_task(hold("s2", "c", other)),
+    ]
+    await asyncio.sleep(0.01)
+    assert order == ["a+", "c+"]  # b waits for a; c does not
+    assert len(locks) == 2
+    second.set()
+    other.set()
+    await asyncio.sleep(0.01)
+    assert order == ["a+", "c+", "c-"]
+    first.set()
+    await asyncio.gather(*tasks)
+    assert order == ["a+", "c+", "c-", "a-", "b+", "b-"]
+    assert len(locks) == 0

@@ -199,7 +199,8 @@ async def test_killing_the_leader_50_times_loses_nothing(tmp_path: Path) -> None
                 to_token.append(streams.arrivals[before + 4] - killed_at)
         streams.running = False
         await asyncio.wait_for(asyncio.gather(*workers), 180)
-        assert versions == sorted(versions) and versions, versions
+        assert versions, versions
+        assert versions == sorted(versions), versions
         # a checkpoint of a session's superseded epoch is refused by the leader's state
         moved = {s: e for s, e in streams.sessions.items() if e > 0}
         leader = await _leader(cluster)
@@ -217,7 +218,8 @@ async def test_killing_the_leader_50_times_loses_nothing(tmp_path: Path) -> None
                 )  # fmt: skip
                 assert answer.status_code in (403, 409), answer.text
         print(json.dumps({
-            "kills": KILLS, "streams": streams.done, "map_versions": versions, "failed_over_sessions": len(moved),
+            "kills": KILLS, "streams": streams.done, "map_versions": versions,
+            "failed_over_sessions": len(moved),
             "recovery_median_s": round(statistics.median(recoveries), 3),
             "recovery_worst_s": round(max(recoveries), 3),
             "kill_to_token_median_s": round(statistics.median(to_token), 3) if to_token else None,
@@ -241,7 +243,8 @@ async def test_redis_stopped_or_killed_is_503_then_recovers_with_every_acknowled
     cluster.start()
     try:
         redis = cluster.redis
-        assert redis is not None and redis.popen is not None
+        assert redis is not None
+        assert redis.popen is not None
         streams = Streams(cluster)
         async with httpx.AsyncClient(timeout=120) as http:
             await streams.one(http, 1)  # a session the controllers know, acknowledged in full

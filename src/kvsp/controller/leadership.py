@@ -133,7 +133,10 @@ class Leadership:
             await asyncio.sleep(self.period_s)
 
     async def close(self) -> None:
-        """Hand the lease back at a clean shutdown, so a standby takes over at once."""
+        """Hand the lease back at a clean shutdown, so a standby takes over at once (and
+        finish the hand-backs of leaderships lost before it)."""
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)
         if self.token is not None and not self.permanent:
             token, self.token = self.token, None
             try:
