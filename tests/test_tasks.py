@@ -4,12 +4,14 @@ once; news before the reader looked is seen by its look; no reader, no wake-up s
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
 import pytest
 
-from kvsp.tasks import KeyedLocks, Wakeup
+from kvsp.core.problems import ServiceUnavailable
+from kvsp.tasks import Background, KeyedLocks, Wakeup
 
 pytestmark = pytest.mark.anyio
 
@@ -73,3 +75,29 @@ async def test_keyed_locks_serialise_one_key_run_others_in_parallel_and_forget_i
     await asyncio.gather(*tasks)
     assert order == ["a+", "c+", "c-", "a-", "b+", "b-"]
     assert len(locks) == 0
+
+
+async def test_background_work_logs_a_peers_failure_once_and_lets_go_of_finished_tasks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    later = Background(logging.getLogger("kvsp.test"))
+    gate = asyncio.Event()
+
+    async def fails() -> None:
+        raise ServiceUnavailable("the peer went away")
+
+    async def waits() -> None:
+        await gate.wait()
+
+    with caplog.at_level(logging.WARNING, logger="kvsp.test"):
+        later.run(fails(), "hints for session s1")
+        later.run(waits(), "a slow one")
+        await asyncio.sleep(0.01)
+    assert [r.getMessage() for r in caplog.records] == ["hints for session s1: the peer went away"]
+    assert len(later) == 1
+    gate.set()
+    await later.drain()
+    assert len(later) == 0
+    later.run(asyncio.sleep(30), "cancelled at close")
+    await later.cancel()
+    assert len(later) == 0

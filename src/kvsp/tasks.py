@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
+from typing import Any
 
-__all__ = ["KeyedLocks", "Wakeup", "cancel_all"]
+from kvsp.core.problems import KvspError
+
+__all__ = ["Background", "KeyedLocks", "Wakeup", "cancel_all"]
 
 
 async def cancel_all(tasks: Iterable[asyncio.Task[None]]) -> None:
@@ -18,6 +22,39 @@ async def cancel_all(tasks: Iterable[asyncio.Task[None]]) -> None:
     for task in pending:
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+class Background:
+    """Work a service runs beside what caused it (nobody waits for its answer): a peer's
+    failure is logged in one line, ``what: detail``, never left in a task nobody awaits;
+    finished tasks let go of themselves."""
+
+    def __init__(self, log: logging.Logger, level: int = logging.WARNING) -> None:
+        self._log = log
+        self._level = level
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def run(self, work: Coroutine[Any, Any, object], what: str) -> None:
+        async def guarded() -> None:
+            try:
+                await work
+            except KvspError as exc:
+                self._log.log(self._level, "%s: %s", what, exc.detail)
+
+        task = asyncio.get_running_loop().create_task(guarded())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _: work.close())  # cancelled before it started
+
+    async def drain(self) -> None:
+        """Wait for what is still running (a clean shutdown lets it finish)."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def cancel(self) -> None:
+        await cancel_all(list(self._tasks))
 
 
 class Wakeup:

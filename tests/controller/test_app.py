@@ -359,9 +359,7 @@ async def test_a_peer_failing_background_work_is_logged_not_left_in_a_task(
     sid = doc["session"]
     # the stand-in has no session route: ending the session there fails in the background
     assert (await env.call("POST", f"sessions/{sid}/forget")).json() == {"forgotten": True}
-    # for the service's lifetime
-    running = {"kvsp-controller-tick", "kvsp-status-forwarder", "kvsp-controller-lease"}
-    while [t for t in env.service._tasks if t.get_name() not in running]:
+    while len(env.service._later):
         await asyncio.sleep(0.01)
     gc.collect()  # an exception nobody retrieved would be reported now
     await asyncio.sleep(0)

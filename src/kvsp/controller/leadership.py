@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from kvsp.controller.stores import ControlStore
 from kvsp.core.problems import ConfigurationError, KvspError, NotLeader
+from kvsp.tasks import Background
 
 __all__ = ["Leadership"]
 
@@ -49,7 +50,7 @@ class Leadership:
         #: leaderships this process has taken, and lost
         self.elections = 0
         self.depositions = 0
-        self._releases: set[asyncio.Task[None]] = set()
+        self._releases = Background(log, logging.INFO)
         #: the memory store has one controller, which leads for good
         self.permanent = store.name == "memory"
         if self.permanent:
@@ -83,15 +84,7 @@ class Leadership:
         self._release_later(token)
 
     def _release_later(self, token: int) -> None:
-        async def release() -> None:
-            try:
-                await self.store.release(token, self.me)
-            except KvspError as exc:
-                log.info("lease not released: %s", exc.detail)
-
-        task = asyncio.get_running_loop().create_task(release())
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        self._releases.run(self.store.release(token, self.me), "lease not released")
 
     async def step(self) -> None:
         """Renew the lease, or try to take it."""
@@ -135,8 +128,7 @@ class Leadership:
     async def close(self) -> None:
         """Hand the lease back at a clean shutdown, so a standby takes over at once (and
         finish the hand-backs of leaderships lost before it)."""
-        if self._releases:
-            await asyncio.gather(*self._releases, return_exceptions=True)
+        await self._releases.drain()
         if self.token is not None and not self.permanent:
             token, self.token = self.token, None
             try:

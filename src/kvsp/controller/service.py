@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -82,7 +82,7 @@ from kvsp.core.records import (
 from kvsp.core.shared import ScopedChain
 from kvsp.core.urls import canonical_url
 from kvsp.index.client import IndexClient
-from kvsp.tasks import KeyedLocks, cancel_all
+from kvsp.tasks import Background, KeyedLocks, cancel_all
 from kvsp.tenants import Tenants
 
 __all__ = ["ControllerConfig", "ControllerService", "Launcher", "Placement"]
@@ -202,6 +202,8 @@ class ControllerService:
         #: the last placement costs per instance, for ``GET instances``
         self.last_costs: dict[str, dict[str, Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        #: work beside the request that caused it (hints, session ends at instances)
+        self._later = Background(log)
         self.metrics = ControllerMetrics()
         #: the hint policy's per-session state, and what sends its hints (None: no policy)
         self.hints = (
@@ -237,6 +239,7 @@ class ControllerService:
 
     async def close(self) -> None:
         await cancel_all(self._tasks)
+        await self._later.cancel()
         await self.lead.close()
         await self.store.close()
         await self.peers.aclose()
@@ -312,7 +315,7 @@ class ControllerService:
                 pending["map"], pending["version"], bool(pending["commit"]),
                 tuple(pending["members"]), "the controller that began it stopped leading",
             )  # fmt: skip
-            self._background(self._announce_reshard(result), f"reshard of {result.map}")
+            self._later.run(self._announce_reshard(result), f"reshard of {result.map}")
 
     def _deposed(self) -> None:
         """Lost the lease: nothing of the old view may answer anyone."""
@@ -342,7 +345,7 @@ class ControllerService:
         await self._write(PutInstance(self.instances.get(status.instance)))
         failures = await self._take_failures()
         if failures:
-            self._background(self._fail_over_all(failures), "failover after a restart")
+            self._later.run(self._fail_over_all(failures), "failover after a restart")
         if self.forwarder is not None:
             self.forwarder.offer(status)  # estimates at the IS use it too
         return state
@@ -514,7 +517,7 @@ class ControllerService:
         async with self._session_locks.hold(first.session):
             placement, planned = await self._open(first, placement, max_tokens, changes)
         if planned:  # the KV moves with the session, while the request is placed
-            self._background(
+            self._later.run(
                 self._send_hints(first.session, tenant.scope_id, planned),
                 f"hints for session {first.session}",
             )
@@ -567,20 +570,6 @@ class ControllerService:
 
     # -- KvHints (session-aware KV) ------------------------------------------------------------
 
-    def _background(self, work: Coroutine[Any, Any, object], what: str) -> None:
-        """Run ``work`` beside the request that caused it; a peer's failure is logged (one
-        line, ``what`` failed), never left in a task nobody awaits."""
-
-        async def run() -> None:
-            try:
-                await work
-            except KvspError as exc:
-                log.warning("%s: %s", what, exc.detail)
-
-        task = asyncio.create_task(run())
-        self._tasks.append(task)
-        task.add_done_callback(self._tasks.remove)
-
     async def turn_ended(
         self,
         principal: Principal,
@@ -630,7 +619,7 @@ class ControllerService:
             if self.hints is not None:
                 self.hints.table.forget(session)
             await self._write(DropSession(entry.scope_id, session))
-        self._background(
+        self._later.run(
             self.peers.end_session(entry.instance, session),
             f"session {session} not ended at {entry.instance}",
         )
@@ -644,7 +633,7 @@ class ControllerService:
             entry = self.sessions.get_for(principal, session)
             entry.turn_done = True
             await self._write(PutSession(entry, self.clock.now_ms()))
-        self._background(
+        self._later.run(
             self.peers.end_session(entry.instance, session),
             f"session {session} not stopped at {entry.instance}",
         )

@@ -27,7 +27,6 @@ across an instance failure.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import secrets
@@ -46,6 +45,7 @@ from kvsp.core.records import Sampler, SessionName
 from kvsp.core.urls import canonical_url
 from kvsp.frontend.controllers import Controller, Placed
 from kvsp.model import MODEL_NAME, ModelBounds, ModelFiles
+from kvsp.tasks import Background
 from kvsp.tenants import Tenant, Tenants
 from kvsp.web.client import KEEPALIVE_EXPIRY_S, auth_headers
 
@@ -161,7 +161,7 @@ class FrontEnd:
         self.controller = controller
         self.tenants = tenants
         #: calls to the controller that nobody waits for (a client that went away)
-        self._later: set[asyncio.Task[None]] = set()
+        self._later = Background(log, logging.INFO)
         self.tokenizer = tokenizer
         self.bounds = bounds
         #: tokenizing runs here, one request at a time, never on the event loop (a 2 MiB chat
@@ -178,9 +178,7 @@ class FrontEnd:
         )
 
     async def aclose(self) -> None:
-        for task in list(self._later):
-            with contextlib.suppress(asyncio.CancelledError, KvspError):
-                await task
+        await self._later.drain()
         await self.http.aclose()
         await self.controller.aclose()
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
@@ -343,16 +341,7 @@ class FrontEnd:
 
     def _call_later(self, work: Coroutine[Any, Any, None], session: str) -> None:
         """Tell the controller without waiting (the client went away: nobody waits)."""
-
-        async def run() -> None:
-            try:
-                await work
-            except KvspError as exc:
-                log.info("session %s: %s", session, exc.detail)
-
-        task = asyncio.create_task(run())
-        self._later.add(task)
-        task.add_done_callback(self._later.discard)
+        self._later.run(work, f"session {session}")
 
     async def _moved(self, tenant: Tenant, session: str, epoch: int) -> tuple[int, str]:
         """Wait until the controller resumed ``session`` with a higher epoch; where."""
