@@ -27,12 +27,20 @@ def gone(pid: int) -> bool:
     return False
 
 
+@pytest.mark.parametrize(
+    ("controllers", "processes"),
+    [
+        (1, 5),  # the IS, the controller (with the front end), the holder, two instances
+        (2, 8),  # and redis-server, a second controller, the front end on its own
+    ],
+)
 def test_up_serves_completions_and_ctrl_c_leaves_no_process(
-    tmp_path: Path, model_files: ModelFiles
+    tmp_path: Path, model_files: ModelFiles, controllers: int, processes: int
 ) -> None:
     folder = tmp_path / "cluster"
     up = subprocess.Popen(
-        [str(KVSP), "up", "--dir", str(folder), "--instances", "2"],
+        [str(KVSP), "up", "--dir", str(folder), "--instances", "2",
+         "--controllers", str(controllers)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
@@ -49,7 +57,14 @@ def test_up_serves_completions_and_ctrl_c_leaves_no_process(
         info = json.loads((folder / "cluster.json").read_text())
         assert info["openai_base_url"] in text
         assert "curl -s" in text
-        assert len(info["pids"]) == 5  # the IS, the controller, the holder, two instances
+        assert len(info["pids"]) == processes
+        assert len(info["controllers"]) == controllers
+        assert all(url in text for url in info["controllers"])
+        roles = sorted(httpx.get(u + "healthz", timeout=5).json()["role"]
+                       for u in info["controllers"])  # fmt: skip
+        assert roles == ["leader"] + ["standby"] * (controllers - 1)
+        state = str(info["state"])
+        assert state == "memory" if controllers == 1 else state.startswith("redis://127.0.0.1:")
         body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
         headers = {"authorization": f"Bearer {info['api_key']}"}
         answer = httpx.post(
@@ -58,7 +73,8 @@ def test_up_serves_completions_and_ctrl_c_leaves_no_process(
         assert answer["usage"]["completion_tokens"] == 8
         assert answer["choices"][0]["text"]
         # the generated principals file is in force: no token, no answer
-        assert httpx.get(info["controller"] + "instances", timeout=5).status_code == 401
+        for url in info["controllers"]:
+            assert httpx.get(url + "instances", timeout=5).status_code == 401
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
         rest = up.stdout.read()

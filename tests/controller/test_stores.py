@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
+import redis.asyncio as aioredis
 
 from kvsp.controller.hints import SessionHints
 from kvsp.controller.instances import TrackedInstance
@@ -168,7 +169,9 @@ async def test_a_move_raises_the_epoch_once_and_only_from_where_the_mover_saw_it
     assert await store.move(token, SCOPE_A, "no-such-session", I1, 0, I2) == (False, None)
 
 
-async def test_load_gives_back_every_kind_of_change(store: RedisControlStore) -> None:
+async def test_load_gives_back_every_kind_of_change(
+    store: RedisControlStore, redis_url: str, prefix: str
+) -> None:
     token = await lead(store)
     entry = TrackedInstance(I1, status(I1, epoch=3), InstanceState.DRAINING, 3, 0)
     hints = SessionHints(SESSION, I1, 1000, True, False)
@@ -204,6 +207,10 @@ async def test_load_gives_back_every_kind_of_change(store: RedisControlStore) ->
     assert loaded.reshards == [outcome]
     assert loaded.decisions == {"d1": 12.5}
     await store.write(token, [DropSession(SCOPE_A, SESSION), PutReshard("m1", None)])
+    await store.write(token, [PutHints(SCOPE_A, hints)])  # late hints recreate nothing
+    raw = aioredis.Redis.from_url(redis_url)
+    assert not await raw.exists(f"{prefix}{{s:{SCOPE_A}}}:session:{SESSION}")
+    await raw.aclose()
     loaded = await store.load()
     assert [s.session for s in loaded.sessions] == ["other"]
     assert loaded.reshards == []

@@ -68,6 +68,7 @@ class Streams:
                 "temperature": 0.8, "seed": n, "stream": True, "session": f"s-{n % 7}"}  # fmt: skip
         indexes: list[int] = []
         finished = False
+        finish_reason = None
         async with http.stream("POST", self.base, json=body, headers=self.key) as response:
             if response.status_code != 200:  # no controller led at that moment: refused, clean
                 await response.aread()
@@ -89,8 +90,13 @@ class Streams:
                 elif "usage" in doc:
                     summary = doc["kvsp"]
                     self.sessions[summary["session"]] = max(summary["epochs"] or [0])
-        if not finished or indexes != list(range(TOKENS)):
-            self.failures.append(f"stream {n}: finished {finished}, indexes {indexes}")
+                    finish_reason = doc["choices"][0]["finish_reason"]
+        # every index once, in order, up to max_tokens or the model's own end of text
+        whole = indexes == list(range(TOKENS if finish_reason != "stop" else len(indexes)))
+        if not finished or not whole or finish_reason is None:
+            self.failures.append(
+                f"stream {n}: finished {finished} ({finish_reason}), indexes {indexes}"
+            )
         self.done += 1
 
     async def run(self, worker: int) -> None:

@@ -320,16 +320,22 @@ return 1
 """
 _FENCED = "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -9 end\n"
 # KEYS[1] fence, KEYS[2..] keys of the slot; ARGV: token, then groups of
-# (command, key index, argument count, arguments...). 1, or -9 when fenced out.
+# (command, key index, argument count, arguments...); HSETXX sets fields of a hash only if
+# it exists (a session's hints never recreate a dropped session). 1, or -9 when fenced out.
 _BATCH = (
     _FENCED
     + """
 local i = 2
 while i <= #ARGV do
   local n = tonumber(ARGV[i + 2])
+  local key = KEYS[tonumber(ARGV[i + 1])]
   local args = {}
   for j = 1, n do args[j] = ARGV[i + 2 + j] end
-  redis.call(ARGV[i], KEYS[tonumber(ARGV[i + 1])], unpack(args))
+  if ARGV[i] ~= 'HSETXX' then
+    redis.call(ARGV[i], key, unpack(args))
+  elseif redis.call('EXISTS', key) == 1 then
+    redis.call('HSET', key, unpack(args))
+  end
   i = i + 3 + n
 end
 return 1
@@ -505,7 +511,7 @@ class RedisControlStore:
                     op(g, "SADD", self._g("scopes"), s)
                 case PutHints(scope, hints):
                     key = self._s(scope, f"session:{hints.session}")
-                    op(self._s(scope, "fence"), "HSET", key, "hints", _hints_json(hints))
+                    op(self._s(scope, "fence"), "HSETXX", key, "hints", _hints_json(hints))
                 case DropSession(scope, name):
                     op(self._s(scope, "fence"), "DEL", self._s(scope, f"session:{name}"))
                     op(self._s(scope, "fence"), "ZREM", self._s(scope, "sessions"), name)
