@@ -72,6 +72,22 @@ def test_failover_increments_the_epoch_each_time() -> None:
     assert table.served_by(I2) == []
 
 
+def test_a_resume_point_changes_nothing_until_the_move_and_the_store_may_know_more() -> None:
+    table = opened()
+    table.put_checkpoint(checkpoint(4), I1)
+    durable = checkpoint(8)  # the store took a later checkpoint this table did not see
+    point = table.resume_point(SESSION, 2, durable)
+    assert (point.epoch, point.output_offset) == (2, 8)
+    assert (table.get(SESSION).epoch, table.get(SESSION).instance) == (0, I1)
+    assert table.resume_point(SESSION, 1, checkpoint(2)).output_offset == 4
+    with pytest.raises(InvalidInput):
+        table.resume_point(SESSION, 0)
+    table.move(SESSION, I2, point)  # epoch 1 was refused by the instance tried first
+    session = table.get(SESSION)
+    assert (session.epoch, session.instance, session.failovers) == (2, I2, 2)
+    assert session.checkpoint.output_offset == 8
+
+
 def test_bad_checkpoints_change_nothing() -> None:
     table = opened()
     with pytest.raises(NotFound):

@@ -4,8 +4,10 @@ every block, instances on the real model, and optionally a controller."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,24 @@ PROMPT = [6403, 1980, 253, 655, 28, 281, 253, 1165, 6560, 411, 260, 3426, 28, 66
           1573, 43663, 3365, 8581, 30, 5081, 5738, 384, 13197, 1187, 288, 260, 28899, 28, 12775,
           650, 20958, 284, 12816, 288, 260, 310, 32942, 30, 1963, 1194, 28, 253, 22483, 6612, 281,
           260, 6560, 351]  # fmt: skip
+
+
+#: torch threads of each instance: a reference computed in the test with another count can
+#: differ in its last bits (the matrix products split their sums by thread)
+INSTANCE_THREADS = 1
+
+
+@contextlib.contextmanager
+def instance_threads() -> Iterator[None]:
+    """Compute in the test process as the instances do, for bit-exact comparisons."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(INSTANCE_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 #: API keys of the front end: tenant acme and another tenant, other
@@ -74,7 +94,8 @@ class Cluster:
         args = [
             "instance", "serve", "--url", f"http://127.0.0.1:{port}/kvsp/",
             "--tenants", str(self.tenants), "--index", self.index.base_url,
-            "--offload", self.holder_url, "--status-ttl-ms", "900", "--threads", "1",
+            "--offload", self.holder_url, "--status-ttl-ms", "900",
+            "--threads", str(INSTANCE_THREADS),
             "--log-level", "warning",
         ]  # fmt: skip
         if self.controller is not None:

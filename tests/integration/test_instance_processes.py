@@ -35,6 +35,7 @@ from tests.integration.instances import (
     Cluster,
     eventually,
     generate,
+    instance_threads,
     residency,
 )
 from tests.servers import running
@@ -260,7 +261,8 @@ async def test_6_9_reshard_keeps_retained_ranges_in_place_and_abort_restores_v(
     deadline nobody can meet) leaves every member on the old version."""
     context = (PROMPT * 2)[:96]
     source = KvState()
-    engine.forward(source, context)
+    with instance_threads():
+        engine.forward(source, context)
     header = 20 + 16 * 30
     per_token = engine.export_range(source, 0, 1).size - header
 

@@ -734,51 +734,58 @@ class ControllerService:
             return self.sessions.put_checkpoint(checkpoint, reporter)
 
     async def _fail_over(self, session: str, failed: str, epoch: int) -> None:
-        """Resume ``session`` elsewhere: place it again, move it (a new epoch, written
-        first), then the resume there; nothing when it is no longer at epoch ``epoch`` on the
-        ``failed`` instance. An instance that refuses the resume is passed over: the session
-        moves on (another epoch) to the next one that can take it."""
+        """Resume ``session`` elsewhere: place it again, move it in the store (a new epoch),
+        resume it there, and only then move it in the table, so that ``GET sessions/{s}``
+        names an instance that has it. The session's lock is held throughout: the new
+        instance's first checkpoints wait for the move instead of being refused. Nothing when
+        it is no longer at epoch ``epoch`` on ``failed``. An instance that refuses the resume
+        is passed over: the session moves on (another epoch) to the next one that can take
+        it; if none can, the table follows the store to the last one tried."""
         refused: set[str] = set()
-        while (moved := await self._move(session, failed, epoch, refused)) is not None:
-            target, resumed, max_tokens = moved
-            try:
-                await self.peers.resume(target, resumed, max_tokens)
-            except KvspError as exc:
-                log.error("session %s: resume at %s failed: %s", session, target, exc)
-                self.metrics.failovers.labels("failed").inc()
-                refused.add(target)
-                failed, epoch = target, resumed.epoch
-                continue
-            self.metrics.failovers.labels("resumed").inc()
-            log.info("session %s resumed at %s, epoch %d", session, target, resumed.epoch)
-            return
-
-    async def _move(
-        self, session: str, failed: str, epoch: int, refused: set[str]
-    ) -> tuple[str, SessionCheckpoint, int | None] | None:
-        """Choose where ``session`` resumes and move it there (store first, then table);
-        where, the checkpoint to resume from, and the output limit. None: nothing to do."""
         async with self._session_locks.hold(session):
             try:
                 entry = self.sessions.get(session)
             except NotFound:
-                return None  # over, or forgotten
+                return  # over, or forgotten
             if (entry.instance, entry.epoch) != (failed, epoch):
-                return None  # moved or resumed already
-            target = await self._resumer(entry, refused)
-            if target is None:
-                return None
-            token = self.lead.check()  # a controller that lost its lease resumes nothing
-            try:
-                moved, latest = await self.store.move(
-                    token, entry.scope_id, session, failed, epoch, target
-                )
-            except KvspError as exc:
-                self.lead.depose(exc.detail)
-                raise
-            if not moved:
-                return None
-            return target, self.sessions.move(session, target, latest), entry.max_tokens
+                return  # moved or resumed already
+            moved: tuple[str, SessionCheckpoint] | None = None
+            while (target := await self._resumer(entry, refused)) is not None:
+                resumed = await self._move(entry, failed, epoch, target)
+                if resumed is None:
+                    break
+                moved = target, resumed
+                try:
+                    await self.peers.resume(target, resumed, entry.max_tokens)
+                except KvspError as exc:
+                    log.error("session %s: resume at %s failed: %s", session, target, exc)
+                    self.metrics.failovers.labels("failed").inc()
+                    refused.add(target)
+                    failed, epoch = target, resumed.epoch
+                    continue
+                self.metrics.failovers.labels("resumed").inc()
+                log.info("session %s resumed at %s, epoch %d", session, target, resumed.epoch)
+                break
+            if moved is not None:
+                self.sessions.move(session, *moved)
+
+    async def _move(
+        self, entry: Session, failed: str, epoch: int, target: str
+    ) -> SessionCheckpoint | None:
+        """Move ``entry`` in the store from ``failed`` at ``epoch`` to ``target`` (a
+        controller that lost its lease moves nothing): the checkpoint to resume from, with
+        the new epoch; None if the store has the session elsewhere."""
+        token = self.lead.check()
+        try:
+            moved, latest = await self.store.move(
+                token, entry.scope_id, entry.session, failed, epoch, target
+            )
+        except KvspError as exc:
+            self.lead.depose(exc.detail)
+            raise
+        if not moved:
+            return None
+        return self.sessions.resume_point(entry.session, epoch + 1, latest)
 
     async def _resumer(self, entry: Session, refused: set[str]) -> str | None:
         """The instance to resume ``entry`` on (placed by cost, among those that may)."""

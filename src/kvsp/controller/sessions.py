@@ -220,18 +220,32 @@ class SessionTable:
         url = canonical_url(instance)
         return [s for s in self._sessions.values() if s.instance == url]
 
-    def move(
-        self, session: str, instance: str, latest: SessionCheckpoint | None = None
+    def resume_point(
+        self, session: str, epoch: int, latest: SessionCheckpoint | None = None
     ) -> SessionCheckpoint:
-        """Fail a session over to ``instance``: the epoch goes up by one, and every later
-        message with the old epoch is refused. Returns the checkpoint to resume from: the
-        table's, or ``latest`` (the durable store's, which has the same epoch rules) when it
-        records more output."""
+        """The checkpoint to resume ``session`` from at ``epoch`` (above its own), changing
+        nothing: the table's, or ``latest`` (the durable store's, which has the same epoch
+        rules) when it records more output."""
         entry = self.get(session)
-        if latest is not None and latest.output_offset > entry.checkpoint.output_offset:
-            entry.checkpoint = latest
-        entry.epoch += 1
-        entry.instance = canonical_url(instance)
-        entry.failovers += 1
-        entry.checkpoint = entry.checkpoint.model_copy(update={"epoch": entry.epoch})
-        return entry.checkpoint
+        if epoch <= entry.epoch:
+            raise InvalidInput(f"session {session} is at epoch {entry.epoch} already")
+        best = entry.checkpoint
+        if latest is not None and latest.output_offset > best.output_offset:
+            best = latest
+        return best.model_copy(update={"epoch": epoch})
+
+    def move(
+        self, session: str, instance: str, resumed: SessionCheckpoint | None = None
+    ) -> SessionCheckpoint:
+        """Fail a session over to ``instance``, resumed from ``resumed`` (by default the
+        next epoch's ``resume_point``): every later message with an older epoch is refused.
+        Each epoch skipped counts as a failover (a resume that was refused)."""
+        entry = self.get(session)
+        resumed = resumed or self.resume_point(session, entry.epoch + 1)
+        entry.failovers += resumed.epoch - entry.epoch
+        entry.epoch, entry.instance, entry.checkpoint = (
+            resumed.epoch,
+            canonical_url(instance),
+            resumed,
+        )
+        return resumed
