@@ -64,8 +64,10 @@ class Streams:
         self.running = True
 
     async def one(self, http: httpx.AsyncClient, n: int) -> None:
+        # multi-turn sessions, each a worker's own (n keeps its worker's parity), so a
+        # conversation's next turn comes after its last answer, as a client sends it
         body = {"prompt": f"Story {n}: once upon a time", "max_tokens": TOKENS,
-                "temperature": 0.8, "seed": n, "stream": True, "session": f"s-{n % 7}"}  # fmt: skip
+                "temperature": 0.8, "seed": n, "stream": True, "session": f"s-{n % 8}"}  # fmt: skip
         indexes: list[int] = []
         finished = False
         finish_reason = None
