@@ -79,6 +79,9 @@ class Reason(StrEnum):
     FORBIDDEN = "forbidden"
     #: a session target on an instance that keeps no SessionPrefixIndex
     NO_SESSION_INDEX = "no-session-index"
+    #: the part that would move or protect pages of the engine's own cache (vLLM's G1): the
+    #: engine offers no way to, and its pages follow its own eviction
+    ENGINE_G1 = "engine-g1"
 
 
 class HintAction(Record):

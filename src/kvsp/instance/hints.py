@@ -11,8 +11,16 @@ Semantics (all bounded, nothing a hint says can pin memory without bound or bloc
   first, so the pin holds G2 and leaves G1 free.
 - Demote makes sure a G2 copy exists, then frees the G1 pages (the store writes the copy before
   it frees anything).
-- Prefetch promotes G2 -> G1 (a no-op for blocks already there).
+- Prefetch promotes G2 -> G1 (a no-op for blocks already there); with a ``destination`` it is
+  a Share to the instance that will serve the session.
 - Share (I/O, executed by the service) copies the blocks to another instance or holder.
+
+Where the engine keeps its own pages apart from the pool (vLLM's G1: it evicts them by its own
+order and loads them only for a request), the pool is G2 alone. There, retain, pin and demote
+act on the pool's copies and report the blocks that are also in the engine's pages with code
+``engine-g1`` (their pages stay, or go, as the engine decides); prefetch counts the blocks
+already in the engine's pages and reports the rest (in G2, loaded once a request uses them)
+with the same code. A block only in the engine's pages has no copy these actions can act on.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from kvsp.holder.blocks import BlockId
 from kvsp.holder.store import BlockStore
 from kvsp.quotas import Quotas
 
-__all__ = ["HintLimits", "LocalHints", "PinTable"]
+__all__ = ["HintLimits", "LocalHints", "PinTable", "engine_kept"]
 
 
 @dataclass(frozen=True)
@@ -234,6 +242,24 @@ class LocalHints:
             outcome.blocks += 1
         return outcome
 
+    def prefetch_engine(
+        self, action: HintAction, blocks: Sequence[BlockId], in_g1: frozenset[BlockId]
+    ) -> HintOutcome:
+        """Prefetch where the engine loads its own pages (``in_g1``: the targets there)."""
+        outcome = HintOutcome(action.action_id, action.action_type, "accepted", blocks=len(in_g1))
+        only_g2 = [b for b in blocks if b not in in_g1 and b in self.store]
+        outcome.missing = [b[2] for b in blocks if b not in in_g1 and b not in self.store]
+        if only_g2:
+            said: Outcome = "clipped" if in_g1 else "rejected"
+            later = f"{len(only_g2)} target blocks are in G2 only; the engine loads them into "
+            outcome.note(said, Reason.ENGINE_G1, later + "its pages when a request uses them")
+        elif not in_g1:
+            outcome.note("missing", Reason.NOT_HELD, "no target block is held here")
+        elif outcome.missing:
+            missing = len(outcome.missing)
+            outcome.note("clipped", Reason.NOT_HELD, f"{missing} target blocks are not held here")
+        return outcome
+
     def _promote(self, block: BlockId) -> bool:
         return self.store.promote(block, self.g1_last)
 
@@ -282,3 +308,25 @@ class LocalHints:
             after = f"pin limits reached after {len(pinned)} of {len(blocks)} blocks"
             outcome.note("clipped", Reason.PIN_LIMIT, after)
         return outcome
+
+
+_ENGINE_KEEPS = {
+    "retain": "stay in the engine's pages under its own eviction order; kvsp's copies are retained",
+    "pin": "stay in the engine's pages under its own eviction order; kvsp's copies are pinned",
+    "demote": "stay in the engine's pages until it evicts them",
+}
+
+
+def engine_kept(action: str, outcome: HintOutcome, in_g1: frozenset[BlockId]) -> HintOutcome:
+    """Retain, pin or demote where the engine keeps its own pages: say which target blocks
+    (``in_g1``) the action did not reach there. A block only in those pages was listed as
+    missing by the pool; it is held, just not by a copy the action can act on."""
+    if not in_g1 or outcome.outcome in ("deferred", "rejected"):
+        return outcome
+    g1_keys = {b[2] for b in in_g1}
+    outcome.missing = [k for k in outcome.missing if k not in g1_keys]
+    if outcome.outcome == "clipped" and outcome.code != Reason.NOT_HELD:
+        return outcome  # a limit cut it, which says more
+    said: Outcome = "clipped" if outcome.blocks else "rejected"
+    outcome.note(said, Reason.ENGINE_G1, f"{len(in_g1)} target blocks {_ENGINE_KEEPS[action]}")
+    return outcome

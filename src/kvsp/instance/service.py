@@ -111,6 +111,9 @@ class InstanceService:
     #: whether the engine can hold sequence-sharded caches (KVSP 6.9): it needs the KV of any
     #: token range, which the reference engine has and vLLM's does not expose
     sharded_caches = True
+    #: whether the engine keeps its own pages apart from the pool (vLLM's G1, reported by its
+    #: KV events); the reference engine's G1 is the pool's device tier
+    engine_pages = False
 
     def __init__(self, config: InstanceConfig, files: ModelFiles | None = None) -> None:
         self.config = config
@@ -149,6 +152,7 @@ class InstanceService:
             config.g1_layers,
             config.session_index,
             config.events,
+            engine_g1=self.engine_pages,
         )
         self.holder.observe = self.kv.observe
         #: wakes the readers of ``events_after`` (events come from the loop and the store's

@@ -43,7 +43,7 @@ from kvsp.holder.client import MOQT_SKIPS, HolderClient
 from kvsp.holder.service import BLOCK_ROLES, HolderService
 from kvsp.holder.store import Effect, Publish
 from kvsp.instance.events import EventLog
-from kvsp.instance.hints import HintLimits, LocalHints, PinTable
+from kvsp.instance.hints import HintLimits, LocalHints, PinTable, engine_kept
 from kvsp.instance.kvpool import BlockRefs
 from kvsp.instance.session_index import SessionPrefixIndex
 
@@ -53,6 +53,7 @@ log = logging.getLogger("kvsp.instance.hints")
 
 #: the pool's tiers as the RFC names them
 LOCAL = {"device": "g1", "host": "g2", "disk": "g2"}
+_G1 = frozenset({"g1"})
 
 
 def _ref(block: BlockId) -> dict[str, str]:
@@ -69,6 +70,7 @@ class SessionKv:
         g1_layers: int | None,
         index_sessions: bool,
         events: int = 4096,
+        engine_g1: bool = False,
     ) -> None:
         self.holder = holder
         self.peers = peers
@@ -79,8 +81,11 @@ class SessionKv:
         )
         self.events = EventLog(holder.clock, events)
         self.local = LocalHints(holder.store, pins, pins.limits, g1_layers)
-        #: local tiers of every block held, to report changes only
+        #: local tiers of every block the holder keeps, to report changes only
         self._tiers: dict[BlockId, frozenset[str]] = {}
+        #: blocks in the engine's own pages (vLLM's G1), when the engine keeps them apart from
+        #: the pool; None when G1 is the pool's device tier
+        self.engine_g1: set[BlockId] | None = set() if engine_g1 else None
         registry = holder.registry
         self.outcomes = Counter(
             "kvsp_instance_hints", "KvHint actions, by action type and outcome",
@@ -113,7 +118,7 @@ class SessionKv:
         if not blocks:
             return
         if self.index is not None:
-            self.index.hit(session, blocks, [self._tiers.get(b, frozenset()) for b in blocks])
+            self.index.hit(session, blocks, [self._local(b) for b in blocks])
         self.events.append("association", session=session, blocks=[b[2] for b in blocks])
 
     def completed(self, session: str, block: BlockId, parent: BlockId | None) -> None:
@@ -121,28 +126,54 @@ class SessionKv:
         if self.index is not None:
             if parent is not None and parent not in self.index:
                 return  # its branch was dropped meanwhile; the block joins on its next hit
-            self.index.hit(session, [block], [self._tiers.get(block, frozenset())], parent)
+            self.index.hit(session, [block], [self._local(block)], parent)
         self.events.append("association", session=session, blocks=[block[2]])
 
     def observe(self, effects: Sequence[Effect]) -> None:
+        """The holder published or withdrew blocks (in order)."""
         for effect in effects:
             if isinstance(effect, Publish):
                 r = effect.record
                 block = (r.compat_id, r.scope_id, r.block_key)
-                tiers = frozenset(LOCAL[x.tier] for x in r.residency)
-                if self._tiers.get(block) == tiers:
-                    continue  # a refresh
-                self._tiers[block] = tiers
-                if self.index is not None:
-                    self.index.resident(block, tiers)
-                self.events.append("residency", **_ref(block), tiers=sorted(tiers))
+                before = self._local(block)
+                self._tiers[block] = frozenset(LOCAL[x.tier] for x in r.residency)
             else:
                 ref = effect.ref
                 block = (ref.compat_id, ref.scope_id, ref.block_key)
+                before = self._local(block)
                 self._tiers.pop(block, None)
-                if self.index is not None:
-                    self.index.gone(block)
-                self.events.append("eviction", **_ref(block))
+            self._settle(block, before)
+
+    def engine_changed(self, changes: Sequence[tuple[BlockId, bool]]) -> None:
+        """Blocks entered (True) or left (False) the engine's own pages."""
+        g1 = self.engine_g1
+        if g1 is None:
+            return
+        for block, held in changes:
+            before = self._local(block)
+            if held:
+                g1.add(block)
+            else:
+                g1.discard(block)
+            self._settle(block, before)
+
+    def _local(self, block: BlockId) -> frozenset[str]:
+        """The local tiers holding ``block``: the pool's, and the engine's pages."""
+        tiers = self._tiers.get(block, frozenset())
+        return tiers | _G1 if self.engine_g1 is not None and block in self.engine_g1 else tiers
+
+    def _settle(self, block: BlockId, before: frozenset[str]) -> None:
+        """Report a change of ``block``'s local tiers: to the index, and as an event
+        (``eviction`` once the last local copy is gone)."""
+        tiers = self._local(block)
+        if tiers == before:
+            return  # a refresh
+        if self.index is not None:
+            self.index.resident(block, tiers)
+        if tiers:
+            self.events.append("residency", **_ref(block), tiers=sorted(tiers))
+        else:
+            self.events.append("eviction", **_ref(block))
 
     def transfer(self, block: BlockId, source: str, destination: str, octets: int) -> None:
         self.events.append(
@@ -204,15 +235,23 @@ class SessionKv:
             owner = f"principal:{principal.name}"
         else:  # the payload model allows neither
             return rejected(Reason.INVALID, "a target is a session or block keys")
-        if name == "share":
+        if name == "share" or (name == "prefetch" and payload.destination is not None):
             if payload.destination is None:
                 return rejected(Reason.INVALID, "share needs a destination")
             return await self._share(action, payload, blocks, payload.destination)
+        g1 = self.engine_g1
+        in_g1 = frozenset() if g1 is None else frozenset(b for b in blocks if b in g1)
 
         def run() -> HintOutcome:
             self.pins.expire()
+            if g1 is not None and name == "prefetch":
+                return self.local.prefetch_engine(action, blocks, in_g1)
             outcome, held = self.local.prepare(action, payload, blocks)
-            return self.local.run(name, outcome, held, payload, owner) if held else outcome
+            if g1 is not None and name == "demote":
+                outcome.blocks = len(held)  # the pool is G2 there: each has its verified copy
+            elif held:
+                outcome = self.local.run(name, outcome, held, payload, owner)
+            return outcome if g1 is None else engine_kept(name, outcome, in_g1)
 
         return await self.holder.call(run)
 

@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvsp.core.container import Container, ContainerHeader
@@ -58,6 +59,8 @@ from kvsp.core.shared import scope_runs
 from kvsp.holder.blocks import MAX_BLOCK_OCTETS
 from kvsp.holder.client import HolderClient, fetchable
 from kvsp.index.client import IndexClient
+from kvsp.integrations.vllm.events import KvEventSubscriber
+from kvsp.integrations.vllm.g1 import G1Pages
 from kvsp.integrations.vllm.layout import CpuPagedCache
 from kvsp.integrations.vllm.loop import LoopThread
 from kvsp.integrations.vllm.plans import (
@@ -243,6 +246,17 @@ class KVSPConnector(KVConnectorBase_V1):
         # scheduler side
         self._tracked: dict[str, TrackedRequest] = {}
         self._requests: dict[str, Request] = {}
+        #: the KVSP blocks in vLLM's pages, from vLLM's KV events (when it publishes them)
+        self.g1 = G1Pages(4 * max(int(kv_cache_config.num_blocks), 1024))
+        self._events: KvEventSubscriber | None = None
+        events = vllm_config.kv_events_config
+        if (
+            role == KVConnectorRole.SCHEDULER
+            and events is not None
+            and events.enable_kv_cache_events
+            and events.publisher == "zmq"
+        ):
+            self._events = KvEventSubscriber(events.endpoint, self.g1, events.topic)
         # worker side
         self._cache: CpuPagedCache | None = None
         self._names: dict[str, int] = {}
@@ -355,6 +369,8 @@ class KVSPConnector(KVConnectorBase_V1):
             if tracked is None or request is None:
                 continue
             done = computed + scheduled.get(request_id, 0)
+            if self._events is not None:
+                self._key_pages(tracked, request)
             loads, saves = tracked.step(request.all_token_ids, done)
             if self.settings.holder_url is None:
                 saves = []
@@ -371,6 +387,17 @@ class KVSPConnector(KVConnectorBase_V1):
                     )
                 )
         return KVSPConnectorMetadata(tuple(plans))
+
+    def _key_pages(self, tracked: TrackedRequest, request: Request) -> None:
+        """Tell ``g1`` which KVSP blocks fill each of the request's full pages, by the page hash
+        vLLM's events name them with."""
+        hashes = request.block_hashes
+        pages = tracked.full_pages(request.all_token_ids, len(hashes), self.page_tokens)
+        for page, blocks in pages:
+            self.g1.record(
+                maybe_convert_block_hash(hashes[page]),
+                [(self.compat_hex, scope, key) for scope, key in blocks],
+            )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         invalid = connector_output.invalid_block_ids
@@ -599,6 +626,8 @@ class KVSPConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self.flush()
+        if self._events is not None:
+            self._events.close()
 
         async def close() -> None:
             for client in (self._index, self._holders):

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import logging
 import queue
+import tempfile
 import threading
 import time
 import uuid
@@ -37,8 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvsp.core.hints import KvHints
 from kvsp.core.problems import NotFound, ServiceUnavailable
 from kvsp.core.records import Sampler
+from kvsp.holder.blocks import BlockId
 from kvsp.holder.store import TierData
 from kvsp.instance.config import InstanceConfig
 from kvsp.instance.service import InstanceService
@@ -49,6 +52,9 @@ from kvsp.model import ModelBounds, ModelFiles
 if TYPE_CHECKING:
     from vllm import RequestOutput, SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.kv_hints import KvHintsEnvelope
+
+    from kvsp.integrations.vllm.connector import KVSPConnector
 
 __all__ = ["VllmInstanceService", "VllmOptions"]
 
@@ -81,11 +87,19 @@ class _Driver:
         self._thread = threading.Thread(target=self._loop, name="kvsp-vllm", daemon=True)
         self._thread.start()
 
-    def add(self, request: str, prompt: Any, params: SamplingParams, handler: Handler) -> None:
+    def add(
+        self,
+        request: str,
+        prompt: Any,
+        params: SamplingParams,
+        handler: Handler,
+        session: str | None = None,
+        hints: KvHintsEnvelope | None = None,
+    ) -> None:
         def job() -> None:
             self._handlers[request] = handler
             try:
-                self.engine.add_request(request, prompt, params)
+                self.engine.add_request(request, prompt, params, session_id=session, kv_hints=hints)
             except Exception as exc:  # a request vLLM refuses ends alone, with the reason
                 self._handlers.pop(request, None)
                 handler(exc)
@@ -151,6 +165,16 @@ class _Progress:
     announced: int = 0
 
 
+def _envelope(hints: KvHints | None) -> KvHintsEnvelope | None:
+    """Our envelope as vLLM carries it on a request (the same fields)."""
+    if hints is None:
+        return None
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    actions = [KvHintAction(**a.model_dump()) for a in hints.actions]
+    return KvHintsEnvelope(hints.protocol_version, hints.message_id, actions)
+
+
 def _sampling(session: Session, remaining: int, kvsp: dict[str, Any]) -> SamplingParams:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -174,6 +198,7 @@ def _sampling(session: Session, remaining: int, kvsp: dict[str, Any]) -> Samplin
 
 class VllmInstanceService(InstanceService):
     sharded_caches = False
+    engine_pages = True
 
     def __init__(
         self, config: InstanceConfig, options: VllmOptions, files: ModelFiles | None = None
@@ -189,7 +214,7 @@ class VllmInstanceService(InstanceService):
         """vLLM's engine with ``KVSPConnector``; the embedded store keeps only G2 (vLLM's
         pages are its G1, which the store does not see)."""
         vllm_environment(self.options.kv_cache_gib)
-        from vllm.config import KVTransferConfig
+        from vllm.config import KVEventsConfig, KVTransferConfig
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -213,8 +238,16 @@ class VllmInstanceService(InstanceService):
                 kv_load_failure_policy="recompute",
                 kv_connector_extra_config=extra,
             )
+        # vLLM's KV events, on a socket only this process can reach: what its pages hold
+        self._events_dir = tempfile.TemporaryDirectory(prefix="kvsp-vllm-")
+        events = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=f"ipc://{self._events_dir.name}/kv-events",
+        )
         args = EngineArgs(
             model=str(self.files.weights),
+            kv_events_config=events if transfer is not None else None,
             dtype="float32",
             block_size=self.options.page_tokens,
             max_model_len=self.options.max_model_len,
@@ -242,6 +275,24 @@ class VllmInstanceService(InstanceService):
             f"cpu float32 eager; pages {self.options.page_tokens}"
         )
 
+    def _connector(self) -> KVSPConnector | None:
+        """The scheduler's ``KVSPConnector`` (None without an index: no KVSP)."""
+        try:
+            return self.vllm.engine_core.engine_core.scheduler.connector  # type: ignore[attr-defined, no-any-return]
+        except AttributeError:
+            return None
+
+    async def start(self) -> None:
+        await super().start()
+        connector = self._connector()
+        if connector is not None:  # vLLM's pages in the session index, from its KV events
+            loop = asyncio.get_running_loop()
+
+            def changed(changes: list[tuple[BlockId, bool]]) -> None:
+                loop.call_soon_threadsafe(self.kv.engine_changed, changes)
+
+            connector.g1.watch(changed)
+
     def engine_load(self) -> tuple[int, int]:
         """vLLM's scheduler: requests waiting for room, and the batch it runs."""
         try:
@@ -262,6 +313,7 @@ class VllmInstanceService(InstanceService):
         self.driver.stop()
         with contextlib.suppress(Exception):
             self.vllm.engine_core.shutdown()  # the connector's saves in flight finish first
+        self._events_dir.cleanup()
         await super().close()
 
     # -- generation ----------------------------------------------------------------------------
@@ -324,6 +376,8 @@ class VllmInstanceService(InstanceService):
             TokensPrompt(prompt_token_ids=prompt, cache_salt=salt),
             params,
             handler,
+            session.session,
+            _envelope(None if session.hints is None else session.hints[1]),
         )
         try:
             await progress.finished

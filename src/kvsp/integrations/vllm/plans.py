@@ -112,6 +112,8 @@ class TrackedRequest:
     #: where the loaded tokens start (what vLLM had), and how many were loaded
     load_start: int = 0
     loaded_tokens: int = 0
+    #: vLLM pages whose KVSP blocks were reported to ``full_pages``'s caller
+    pages_keyed: int = 0
     #: the last lookup: (tokens vLLM had, matched blocks with their records)
     lookup: tuple[int, tuple[BlockLoad, ...]] | None = field(default=None, repr=False)
 
@@ -187,3 +189,20 @@ class TrackedRequest:
             ]
             self.settled = complete
         return loads, saves
+
+    def full_pages(
+        self, tokens: Sequence[int], hashed: int, page_tokens: int
+    ) -> list[tuple[int, list[tuple[str, str]]]]:
+        """The request's full vLLM pages not yet reported, each with its KVSP blocks as
+        (scope, key), in order: vLLM hashed the first ``hashed`` pages of ``tokens``."""
+        pages = min(hashed, len(tokens) // page_tokens)
+        if pages <= self.pages_keyed:
+            return []
+        per = page_tokens // self.block_tokens
+        keys = self.keys(tokens[: pages * page_tokens])
+        out = [
+            (p, [(self.scope_of(i), keys[i]) for i in range(p * per, (p + 1) * per)])
+            for p in range(self.pages_keyed, pages)
+        ]
+        self.pages_keyed = pages
+        return out
