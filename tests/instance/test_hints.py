@@ -12,7 +12,7 @@ from kvsp.core.clock import ManualClock
 from kvsp.core.hints import HintAction, HintOutcome, KvHints, Reason, action_name, parse_payload
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.store import BlockStore
-from kvsp.instance.hints import HintLimits, LocalHints, PinTable
+from kvsp.instance.hints import HintLimits, LocalHints, PinTable, engine_kept
 from kvsp.quotas import Quota, Quotas
 from tests.holder.factories import SCOPE, block_id
 from tests.instance.pools import pool, put
@@ -42,6 +42,10 @@ class Env:
         if not held:
             return outcome
         return self.hints.run(kind, outcome, held, parsed, owner)
+
+
+def action(kind: str) -> HintAction:
+    return HintAction(action_id="a1", action_type=f"kv.{kind}", action_version="1.0", payload={})
 
 
 def tiers(store: BlockStore, block: BlockId) -> list[str]:
@@ -230,3 +234,40 @@ def test_one_tenant_cannot_take_the_whole_pin_budget() -> None:
     assert len(own.pin("a", a, 60_000)) == 2  # its own quota
     own.release("a")
     assert own.octets_by_scope() == {}
+
+
+def test_where_the_engine_keeps_its_own_pages_prefetch_counts_only_what_is_there() -> None:
+    env = Env(g1=1, g2=4)  # which of its tiers holds a block does not matter here
+    b1, b2 = put(env.store, 1), put(env.store, 2)
+    only_g1, absent = block_id(3), block_id(4)
+    out = env.hints.prefetch_engine(action("prefetch"), [b1, only_g1], frozenset({b1, only_g1}))
+    assert (out.outcome, out.blocks, out.code) == ("accepted", 2, None)
+    out = env.hints.prefetch_engine(action("prefetch"), [b1, b2, absent], frozenset({b1}))
+    assert (out.outcome, out.blocks, out.code) == ("clipped", 1, Reason.ENGINE_G1)
+    assert out.missing == [absent[2]]
+    assert "1 target blocks are in G2 only" in (out.reason or "")
+    out = env.hints.prefetch_engine(action("prefetch"), [b2], frozenset())
+    assert (out.outcome, out.blocks, out.code) == ("rejected", 0, Reason.ENGINE_G1)
+    out = env.hints.prefetch_engine(action("prefetch"), [b1, absent], frozenset({b1}))
+    assert (out.outcome, out.code) == ("clipped", Reason.NOT_HELD)
+    out = env.hints.prefetch_engine(action("prefetch"), [absent], frozenset())
+    assert (out.outcome, out.code) == ("missing", Reason.NOT_HELD)
+
+
+def test_retain_pin_demote_say_which_blocks_the_engine_keeps_by_its_own_order() -> None:
+    env = Env(g1=1, g2=4)
+    b1 = put(env.store, 1)
+    only_g1 = block_id(3)
+    out = engine_kept("retain", env.act("retain", [b1], ttl_ms=1_000), frozenset({b1}))
+    assert (out.outcome, out.blocks, out.code) == ("clipped", 1, Reason.ENGINE_G1)
+    out = engine_kept("retain", env.act("retain", [b1], ttl_ms=1_000), frozenset())
+    assert (out.outcome, out.code) == ("accepted", None)  # nothing of it in the engine's pages
+    # a block only in the engine's pages is held, by no copy the action can act on
+    out = engine_kept("pin", env.act("pin", [b1, only_g1], ttl_ms=1_000), frozenset({only_g1}))
+    assert (out.outcome, out.blocks, out.missing) == ("clipped", 1, [])
+    assert out.code == Reason.ENGINE_G1
+    out = engine_kept("demote", env.act("demote", [only_g1]), frozenset({only_g1}))
+    assert (out.outcome, out.blocks, out.code) == ("rejected", 0, Reason.ENGINE_G1)
+    # a limit that cut the action says more, and stays
+    out = env.act("retain", [b1], ttl_ms=10**9)
+    assert engine_kept("retain", out, frozenset({b1})).code == Reason.OVER_LIMITS

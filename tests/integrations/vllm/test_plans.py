@@ -127,3 +127,28 @@ def test_the_blocks_of_a_shared_prefix_are_saved_in_its_scope() -> None:
     _, saves = t.step(TOKENS, len(TOKENS))
     assert [s.scope_id for s in saves] == [shared.scope_id] * 2 + [TENANT.scope_id] * 4
     assert [s.key for s in saves[:2]] == shared.keys(parse_compat_id(COMPAT), 16)
+
+
+def test_full_pages_are_reported_once_each_with_their_blocks_in_order() -> None:
+    shared = SharedScope("system", b"s" * 32, scope_id(b"s" * 32).hex(), tuple(TOKENS[:32]))
+    t = TrackedRequest.start(replace(TENANT, shared=(shared,)), parse_compat_id(COMPAT), 16)
+    keys = t.keys(TOKENS)
+    assert t.full_pages(TOKENS, 0, 32) == []  # vLLM hashed no page yet
+    first = t.full_pages(TOKENS, 1, 32)
+    assert first == [(0, [(shared.scope_id, keys[0]), (shared.scope_id, keys[1])])]
+    rest = t.full_pages(TOKENS, 9, 32)  # 100 tokens: 3 full pages, whatever vLLM hashed
+    assert rest == [
+        (1, [(TENANT.scope_id, keys[2]), (TENANT.scope_id, keys[3])]),
+        (2, [(TENANT.scope_id, keys[4]), (TENANT.scope_id, keys[5])]),
+    ]
+    assert t.full_pages(TOKENS, 9, 32) == []
+
+
+def test_a_resumed_prefix_s_pages_carry_the_given_keys() -> None:
+    given = tuple(expected_keys(TOKENS)[:2])
+    t = tracked(given)
+    placeholders = [0] * 32 + TOKENS[32:64]
+    assert t.full_pages(placeholders, 2, 32) == [
+        (0, [(TENANT.scope_id, given[0]), (TENANT.scope_id, given[1])]),
+        (1, [(TENANT.scope_id, k) for k in expected_keys(TOKENS[:64])[2:4]]),
+    ]

@@ -5,7 +5,8 @@
   tenant never hits another tenant's blocks;
 - vLLM reuses blocks the reference instance wrote and the reference reuses vLLM's, with the
   same greedy tokens;
-- a block served corrupted is detected and recomputed, or, when another holder has it, taken
+- a block served corrupted, gone from its holder after the lookup, or cut off mid-load is
+  recomputed with the no-cache output (vllm#49250's path), or, when another holder has it, taken
   from that holder (the range that failed, whole); a wrong Repr-Digest over layers that all
   match their layer digests is refused too (KVSP 6.7: clients MUST verify it), so that block is
   recomputed; the output is correct in every case;
@@ -20,7 +21,7 @@ import json
 import signal
 import sys
 import uuid
-from collections.abc import Collection, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from kvsp.core.container import Container
@@ -157,14 +158,19 @@ def _corrupting_holder(
     bad: Collection[str] = (),
     asked: list[tuple[str, str | None]] | None = None,
     bad_repr: Collection[str] = (),
+    gone: Collection[str] = (),
+    cut: Collection[str] = (),
 ) -> Starlette:
     """A holder that serves the ``bad`` blocks with a byte flipped in their layer 12 (and a
-    Repr-Digest that matches what it sends, so only the layer digests can tell), and the
-    ``bad_repr`` blocks intact under a wrong Repr-Digest; ``asked`` collects the (block,
-    layers) of every GET."""
+    Repr-Digest that matches what it sends, so only the layer digests can tell), the
+    ``bad_repr`` blocks intact under a wrong Repr-Digest, the ``gone`` blocks not at all (404:
+    evicted after the lookup), and the ``cut`` blocks halfway before the connection drops (the
+    holder died mid-load); ``asked`` collects the (block, layers) of every GET."""
 
     async def get(request: Request) -> Response:
         key = request.path_params["key"]
+        if key in gone:
+            return Response(status_code=404)
         container = blocks[key]
         layers = request.query_params.get("layers")
         if asked is not None:
@@ -176,12 +182,19 @@ def _corrupting_holder(
         if key in bad and container.header.first_layer <= 12 <= container.header.last_layer:
             body[container.header.offset_of(12) + 5] ^= 0x40
         headers = {"repr-digest": repr_digest_of(body + b"!" if key in bad_repr else body)}
+        if key in cut:
+
+            async def half() -> AsyncIterator[bytes]:
+                yield bytes(body[: len(body) // 2])
+                raise ConnectionResetError("the holder went away mid-load")
+
+            return StreamingResponse(half(), media_type="application/kvsp-block", headers=headers)
         return Response(bytes(body), media_type="application/kvsp-block", headers=headers)
 
     return Starlette(routes=[Route("/kvsp/blocks/{compat}/{scope}/{key}", get)])
 
 
-async def test_a_corrupted_block_is_detected_and_recomputed(
+async def test_a_corrupted_vanished_or_cut_block_is_recomputed(
     cluster: Cluster, model_files: ModelFiles, engine: Engine
 ) -> None:
     compat = model_files.compat_id.hex()
@@ -210,11 +223,17 @@ async def test_a_corrupted_block_is_detected_and_recomputed(
         )  # fmt: skip
 
     first, second = (PROMPT[5:] * 6)[:260], (PROMPT[7:] * 6)[:260]
-    third = (PROMPT[9:] * 7)[:260]
+    third, fourth = (PROMPT[9:] * 7)[:260], (PROMPT[11:] * 7)[:260]
+    fifth = (PROMPT[13:] * 7)[:260]
     first_keys, second_keys, third_keys = keys_of(first), keys_of(second), keys_of(third)
+    fourth_keys, fifth_keys = keys_of(fourth), keys_of(fifth)
     asked: list[tuple[str, str | None]] = []
     corrupting = _corrupting_holder(
-        blocks, bad={first_keys[9], second_keys[9]}, bad_repr={third_keys[9]}
+        blocks,
+        bad={first_keys[9], second_keys[9]},
+        bad_repr={third_keys[9]},
+        gone={fourth_keys[9]},
+        cut={fifth_keys[9]},
     )
     async with (
         serving(corrupting) as evil,
@@ -225,13 +244,21 @@ async def test_a_corrupted_block_is_detected_and_recomputed(
             await index.publish(record(key, evil))
         # only the corrupting holder has them: blocks 0-8 load; block 9 fails, so vLLM
         # recomputes from its page (token 128) on
-        answer, intact = await offline(cluster, model_files, [first, third], tenant="other")
+        answer, intact, evicted, dropped = await offline(
+            cluster, model_files, [first, third, fourth, fifth], tenant="other"
+        )
         assert answer["kv_transfer_params"] == {"kvsp": {"loaded_tokens": 128}}
         assert answer["tokens"] == greedy(engine, first, 16)  # what vLLM and the reference give
         # a wrong Repr-Digest over layers that all match their layer digests: the holder's
         # answer is refused (logged) and none of its layers is used, so block 9 is recomputed
         assert intact["kv_transfer_params"] == {"kvsp": {"loaded_tokens": 128}}
         assert intact["tokens"] == greedy(engine, third, 16)
+        # a block gone from its holder after the lookup, or cut off mid-load: recomputed, and
+        # the output is the no-cache output (vllm#49250 is about exactly this path: a rejected
+        # synchronous load under kv_load_failure_policy=recompute)
+        for out, prompt in ((evicted, fourth), (dropped, fifth)):
+            assert out["kv_transfer_params"] == {"kvsp": {"loaded_tokens": 128}}
+            assert out["tokens"] == greedy(engine, prompt, 16)
 
         # another holder has block 9 too: the range that failed comes from it, whole (a range is
         # used only once its Repr-Digest matched, so nothing of the failed one was)
