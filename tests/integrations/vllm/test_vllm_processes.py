@@ -11,7 +11,8 @@
   match their layer digests is refused too (KVSP 6.7: clients MUST verify it), so that block is
   recomputed; the output is correct in every case;
 - the controller routes a session to a vLLM instance and, after a SIGKILL, resumes it on another
-  vLLM instance, every token index once, equal to the reference.
+  vLLM instance, every token index once, equal to the reference, greedy or sampled (vLLM
+  samples by kvsp's rule, so the resumed instance draws what the killed one would have).
 """
 
 from __future__ import annotations
@@ -271,13 +272,21 @@ async def test_a_corrupted_vanished_or_cut_block_is_recomputed(
         assert layers == "0-29"
 
 
+#: a sampled session's request, and the same sampler as kvsp names it
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 11}
+SAMPLED_AS = Sampler(method="top-p", params={"p": 0.95, "temperature": 0.8}, seed=11)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 async def test_controller_resumes_a_vllm_session_on_another_vllm_instance(
-    tmp_path: Path, model_files: ModelFiles, engine: Engine
+    tmp_path: Path, model_files: ModelFiles, engine: Engine, sampled: bool
 ) -> None:
     cluster = Cluster(tmp_path, model_files.compat_id.hex(), controller=True, frontend=True)
     pc = cluster.pc
     a, b = cluster.instance("--engine", "vllm"), cluster.instance("--engine", "vllm")
-    expected = greedy(engine, PROMPT, 40)
+    # vLLM samples by kvsp's rule (step n from the seed and n alone), as the reference does
+    sampler = SAMPLED_AS if sampled else Sampler(method="greedy")
+    expected = list(engine.generate(KvState(), PROMPT, sampler, 40))
     session = str(uuid.uuid4())
     # the controller keeps the tenant's session under its namespaced UUID
     placed_as = tenant_session(scope_id(bytes.fromhex(SCOPE_KEY)).hex(), session)
@@ -289,8 +298,8 @@ async def test_controller_resumes_a_vllm_session_on_another_vllm_instance(
             "prompt": PROMPT,
             "max_tokens": 40,
             "session": session,
-            "temperature": 0,
             "stream": True,
+            **(SAMPLED if sampled else {"temperature": 0}),
         }
         headers = {"authorization": "Bearer key-acme"}
         async with (

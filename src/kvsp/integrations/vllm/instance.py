@@ -16,8 +16,9 @@ What differs, and why:
   from the checkpoint): the blocks are first fetched, verified and held here, then vLLM gets
   placeholder tokens for that prefix with the keys passed to the connector, under a salt of its
   own so they never meet another prompt in vLLM's prefix cache. If vLLM reports fewer cached
-  tokens than the prefix, the request is stopped before any token is released. Only greedy
-  sessions continue token for token (vLLM's seeded sampling does not resume mid-stream).
+  tokens than the prefix, the request is stopped before any token is released.
+- **Sampling** follows kvsp's rule (step n drawn from the seed and n alone) through a logits
+  processor (``KvspSampling``), so a sampled session resumes token for token, like a greedy one.
 - **Sequence-sharded caches** (KVSP 6.9) need access to the engine's cache by token range, which
   vLLM does not offer: those routes answer 405.
 """
@@ -176,23 +177,23 @@ def _envelope(hints: KvHints | None) -> KvHintsEnvelope | None:
 
 
 def _sampling(session: Session, remaining: int, kvsp: dict[str, Any]) -> SamplingParams:
+    """vLLM's parameters for the session's next request: greedy, or kvsp's sampling rule from
+    the session's next output step on (``KvspSampling``), so that a resume draws what the
+    failed instance would have."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    from kvsp.integrations.vllm.sampling import sampling_args
+
     sampler: Sampler = session.sampler
-    p = sampler.params
-    options: dict[str, Any] = {"temperature": 0.0}
+    extra: dict[str, Any] = {"kv_transfer_params": {"kvsp": kvsp}}
     if sampler.method != "greedy":
-        options = {"temperature": float(p.get("temperature", 1.0)), "seed": sampler.seed}
-        if sampler.method == "top-k":
-            options["top_k"] = int(p["k"])
-        if sampler.method == "top-p":
-            options["top_p"] = float(p["p"])
+        extra.update(sampling_args(sampler, len(session.generated)))
     return SamplingParams(
         max_tokens=remaining,
         output_kind=RequestOutputKind.DELTA,
-        extra_args={"kv_transfer_params": {"kvsp": kvsp}},
-        **options,
+        extra_args=extra,
+        temperature=0.0,
     )
 
 
@@ -245,8 +246,11 @@ class VllmInstanceService(InstanceService):
             publisher="zmq",
             endpoint=f"ipc://{self._events_dir.name}/kv-events",
         )
+        from kvsp.integrations.vllm.sampling import KvspSampling
+
         args = EngineArgs(
             model=str(self.files.weights),
+            logits_processors=[KvspSampling],
             kv_events_config=events if transfer is not None else None,
             dtype="float32",
             block_size=self.options.page_tokens,
@@ -427,11 +431,14 @@ class VllmInstanceService(InstanceService):
             progress.finished.set_result(None)
 
     def _announce(self, session: Session, progress: _Progress) -> None:
-        """Tell the session index about the session's blocks as their tokens complete."""
+        """Tell the session index about the session's blocks as their tokens complete, and
+        checkpoint when one did."""
         count = len(session.prompt_blocks) + len(session.chain.keys)
         for i in range(progress.announced, count):
             block = session.block_of(self.compat_id, i)
             if block is not None:  # each block in its scope: a shared prefix's, or the tenant's
                 parent = session.block_of(self.compat_id, i - 1) if i else None
                 self.kv.completed(session.session, block, parent)
+        if count > progress.announced and session.gate.on_block():
+            self._spawn(self._checkpoint(session))  # KVSP 6.8: at every completed block
         progress.announced = count
