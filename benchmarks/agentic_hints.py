@@ -81,16 +81,22 @@ async def workload(pc: str, instance: str, compat: str, hints: bool) -> dict[str
     reused = reusable = 0
     ttfts: list[float] = []
     outcomes: dict[str, int] = {}
+    #: target blocks not held, by outcome
+    missing: dict[str, int] = {}
     async with httpx.AsyncClient(timeout=300) as http:
         context = {s: SYSTEM + tokens(1000 + s, FIRST_TOKENS) for s in range(SESSIONS)}
-        ids = {s: str(uuid.uuid4()) for s in range(SESSIONS)}
+        names = {s: str(uuid.uuid4()) for s in range(SESSIONS)}
+        ids: dict[int, str] = {}
         previous: dict[int, int] = {}
         for turn in range(TURNS):
             for s in range(SESSIONS):
                 prompt = context[s]
                 place = {"tenant": "acme", "compat_id": compat, "tokens": prompt,
-                         "session": ids[s]}  # fmt: skip
-                (await http.post(pc + "place", json=place)).raise_for_status()
+                         "session": names[s]}  # fmt: skip
+                placed = await http.post(pc + "place", json=place)
+                placed.raise_for_status()
+                # the controller keeps the session under its UUID in the tenant's namespace
+                ids[s] = placed.json()["session"]
                 body = {"tenant": "acme", "tokens": prompt, "session": ids[s],
                         "max_tokens": OUTPUT_TOKENS}  # fmt: skip
                 done = await stream(http, instance, body)
@@ -104,13 +110,17 @@ async def workload(pc: str, instance: str, compat: str, hints: bool) -> dict[str
                 if hints:
                     last = turn == TURNS - 1
                     if last:
-                        answer = (await http.delete(f"{pc}sessions/{ids[s]}")).json()
+                        response = await http.delete(f"{pc}sessions/{ids[s]}")
                     else:
                         gap = {"tool_call": True}  # the controller estimates the gap
                         url = f"{pc}sessions/{ids[s]}/turns"
-                        answer = (await http.post(url, json=gap)).json()
-                    for o in answer["outcomes"]:
-                        name = f"{o['action_type']}:{o['outcome']}"
+                        response = await http.post(url, json=gap)
+                    if response.status_code != 200:
+                        raise RuntimeError(f"the controller answered {response.text}")
+                    for o in response.json()["outcomes"]:
+                        name = ":".join(str(o.get(k)) for k in ("action_type", "outcome", "code"))
+                        if o.get("missing"):
+                            missing[name] = missing.get(name, 0) + len(o["missing"])
                         outcomes[name] = outcomes.get(name, 0) + 1
                 for n in range(NOISE_PER_GAP):  # other users while the tool runs
                     seed = 10_000 + 100 * turn + 10 * s + n
@@ -123,10 +133,17 @@ async def workload(pc: str, instance: str, compat: str, hints: bool) -> dict[str
         "reusable_tokens": reusable,
         "continuation_ttft_s": sum(ttfts) / len(ttfts),
         "hint_outcomes": outcomes,
+        "hint_blocks_missing": missing,
     }
 
 
-def run(hints: bool, compat: str, tmp: Path) -> dict[str, Any]:
+#: the reference instance's pool: G1 and G2 far smaller than the traffic between two turns
+REFERENCE_POOL = ["--g1-blocks", str(G1_BLOCKS), "--g2-bytes", G2_BYTES, "--threads", "2"]
+
+
+def run(hints: bool, compat: str, tmp: Path, pool: list[str]) -> dict[str, Any]:
+    """The workload on fresh processes: an IS, a controller and one instance (``pool``: its
+    engine and cache arguments)."""
     tenants = tmp / "tenants.toml"
     tenants.write_text(f'[tenants.acme]\nscope_key = "{SCOPE_KEY}"\ncompat_ids = ["{compat}"]\n')
     index = Service("index", "serve", "--log-level", "warning")
@@ -138,8 +155,7 @@ def run(hints: bool, compat: str, tmp: Path) -> dict[str, Any]:
     instance = Service(
         "instance", "serve", "--url", f"http://127.0.0.1:{port}/kvsp/", "--tenants",
         str(tenants), "--index", index.base_url, "--controller", controller.base_url,
-        "--session-index", "--g1-blocks", str(G1_BLOCKS), "--g2-bytes", G2_BYTES, "--threads", "2",
-        "--log-level", "warning", port=port,
+        "--session-index", *pool, "--log-level", "warning", port=port,
     )  # fmt: skip
     started = []
     try:
@@ -161,20 +177,20 @@ def run(hints: bool, compat: str, tmp: Path) -> dict[str, Any]:
             service.stop()
 
 
-def main() -> None:
+def compare(benchmark: str, pool: list[str], **shown: Any) -> None:
+    """LRU alone, then hints, on ``pool``; one JSON line with the figures and their targets."""
     compat = install().compat_id.hex()
     with tempfile.TemporaryDirectory() as tmp:
-        lru = run(False, compat, Path(tmp))
-        hinted = run(True, compat, Path(tmp))
+        lru = run(False, compat, Path(tmp), pool)
+        hinted = run(True, compat, Path(tmp), pool)
     ratio = hinted["continuation_ttft_s"] / lru["continuation_ttft_s"]
     print(
         json.dumps(
             {
-                "benchmark": "agentic_hints",
+                "benchmark": benchmark,
                 "sessions": SESSIONS,
                 "turns": TURNS,
-                "g1_blocks": G1_BLOCKS,
-                "g2_bytes": G2_BYTES,
+                **shown,
                 "limits": {
                     "hit_rate": "continuation hit rate with hints (>= 0.98)",
                     "ttft": "continuation TTFT with hints / LRU only, same run (<= 0.45)",
@@ -187,10 +203,15 @@ def main() -> None:
                     "continuation_ttft_hints_s": round(hinted["continuation_ttft_s"], 3),
                     "ttft_ratio_hints_to_lru": round(ratio, 3),
                     "hint_outcomes": hinted["hint_outcomes"],
+                    "hint_blocks_missing": hinted["hint_blocks_missing"],
                 },
             }
         )
     )
+
+
+def main() -> None:
+    compare("agentic_hints", REFERENCE_POOL, g1_blocks=G1_BLOCKS, g2_bytes=G2_BYTES)
 
 
 if __name__ == "__main__":

@@ -618,6 +618,10 @@ def instance_serve_command(
     vllm_kv_cache_gib: Annotated[
         int, typer.Option("--vllm-kv-cache-gib", min=1, help="vLLM's KV cache size")
     ] = 1,
+    vllm_pages: Annotated[
+        int | None,
+        typer.Option("--vllm-pages", min=2, help="vLLM's KV pages (default: what fits the size)"),
+    ] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
     http_limit: HttpLimits = None,
 ) -> None:
@@ -658,7 +662,7 @@ def instance_serve_command(
     if engine == "vllm":
         from kvsp.integrations.vllm.instance import VllmInstanceService, VllmOptions
 
-        options = VllmOptions(tenants, vllm_page_tokens, vllm_kv_cache_gib)
+        options = VllmOptions(tenants, vllm_page_tokens, vllm_kv_cache_gib, vllm_pages)
         service: InstanceService = VllmInstanceService(config, options)
     else:
         service = InstanceService(config)

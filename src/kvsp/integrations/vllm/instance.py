@@ -73,7 +73,16 @@ class VllmOptions:
     #: tokens per vLLM KV page (a multiple of the KVSP block size)
     page_tokens: int = 128
     kv_cache_gib: int = 1
+    #: vLLM's KV pages, fewer than fit ``kv_cache_gib`` (None: as many as fit); a prompt and its
+    #: output must fit them but one (vLLM keeps a page aside), so they also bound the context
+    pages: int | None = None
     max_model_len: int = 4096
+
+    @property
+    def context_tokens(self) -> int:
+        if self.pages is None:
+            return self.max_model_len
+        return min(self.max_model_len, (self.pages - 1) * self.page_tokens)
 
 
 class _Driver:
@@ -208,7 +217,7 @@ class VllmInstanceService(InstanceService):
         super().__init__(config, files)
         model = self.files.bounds
         self.bounds = ModelBounds(
-            min(model.context_tokens, options.max_model_len), model.vocab_size
+            min(model.context_tokens, options.context_tokens), model.vocab_size
         )
 
     def _start_engine(self) -> tuple[int, TierData] | None:
@@ -254,7 +263,8 @@ class VllmInstanceService(InstanceService):
             kv_events_config=events if transfer is not None else None,
             dtype="float32",
             block_size=self.options.page_tokens,
-            max_model_len=self.options.max_model_len,
+            max_model_len=self.options.context_tokens,
+            num_gpu_blocks_override=self.options.pages,
             enforce_eager=True,
             enable_prefix_caching=True,
             kv_transfer_config=transfer,
