@@ -12,7 +12,13 @@ from kvsp.core.clock import ManualClock
 from kvsp.core.hints import HintAction, HintOutcome, KvHints, Reason, action_name, parse_payload
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.store import BlockStore
-from kvsp.instance.hints import HintLimits, LocalHints, PinTable, engine_kept
+from kvsp.instance.hints import (
+    HintLimits,
+    LocalHints,
+    PinTable,
+    engine_kept,
+    engine_prefetch,
+)
 from kvsp.quotas import Quota, Quotas
 from tests.holder.factories import SCOPE, block_id
 from tests.instance.pools import pool, put
@@ -240,17 +246,17 @@ def test_where_the_engine_keeps_its_own_pages_prefetch_counts_only_what_is_there
     env = Env(g1=1, g2=4)  # which of its tiers holds a block does not matter here
     b1, b2 = put(env.store, 1), put(env.store, 2)
     only_g1, absent = block_id(3), block_id(4)
-    out = env.hints.prefetch_engine(action("prefetch"), [b1, only_g1], frozenset({b1, only_g1}))
+    out = engine_prefetch(action("prefetch"), [b1, only_g1], frozenset({b1, only_g1}), env.store)
     assert (out.outcome, out.blocks, out.code) == ("accepted", 2, None)
-    out = env.hints.prefetch_engine(action("prefetch"), [b1, b2, absent], frozenset({b1}))
+    out = engine_prefetch(action("prefetch"), [b1, b2, absent], frozenset({b1}), env.store)
     assert (out.outcome, out.blocks, out.code) == ("clipped", 1, Reason.ENGINE_G1)
     assert out.missing == [absent[2]]
     assert "1 target blocks are in G2 only" in (out.reason or "")
-    out = env.hints.prefetch_engine(action("prefetch"), [b2], frozenset())
+    out = engine_prefetch(action("prefetch"), [b2], frozenset(), env.store)
     assert (out.outcome, out.blocks, out.code) == ("rejected", 0, Reason.ENGINE_G1)
-    out = env.hints.prefetch_engine(action("prefetch"), [b1, absent], frozenset({b1}))
+    out = engine_prefetch(action("prefetch"), [b1, absent], frozenset({b1}), env.store)
     assert (out.outcome, out.code) == ("clipped", Reason.NOT_HELD)
-    out = env.hints.prefetch_engine(action("prefetch"), [absent], frozenset())
+    out = engine_prefetch(action("prefetch"), [absent], frozenset(), env.store)
     assert (out.outcome, out.code) == ("missing", Reason.NOT_HELD)
 
 

@@ -43,6 +43,8 @@ __all__ = [
     "action_name",
     "envelope",
     "parse_payload",
+    "read_action",
+    "rejection",
 ]
 
 
@@ -178,6 +180,23 @@ def parse_payload(action: HintAction) -> HintPayload | str:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "payload"
         return f"{where}: {first['msg']}"
+
+
+def rejection(action: HintAction, code: Reason, reason: str) -> HintOutcome:
+    return HintOutcome(action.action_id, action.action_type, "rejected", reason, code)
+
+
+def read_action(action: HintAction) -> tuple[str, HintPayload] | HintOutcome:
+    """Our name for the action and its payload, or the outcome refusing it: an action type or
+    version we do not implement (named), or a payload that does not parse."""
+    name = action_name(action)
+    if name is None:
+        unknown = f"{action.action_type} version {action.action_version} is not implemented here"
+        return rejection(action, Reason.NOT_IMPLEMENTED, unknown)
+    payload = parse_payload(action)
+    if isinstance(payload, str):
+        return rejection(action, Reason.INVALID, payload)
+    return name, payload
 
 
 def envelope(actions: Sequence[tuple[ActionType, dict[str, Any]]]) -> KvHints:

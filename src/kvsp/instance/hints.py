@@ -26,7 +26,7 @@ with the same code. A block only in the engine's pages has no copy these actions
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvsp.core.clock import Clock
@@ -37,7 +37,14 @@ from kvsp.holder.blocks import BlockId
 from kvsp.holder.store import BlockStore
 from kvsp.quotas import Quotas
 
-__all__ = ["HintLimits", "LocalHints", "PinTable", "engine_kept"]
+__all__ = [
+    "HintLimits",
+    "LocalHints",
+    "PinTable",
+    "engine_kept",
+    "engine_prefetch",
+    "held_first",
+]
 
 
 @dataclass(frozen=True)
@@ -194,23 +201,7 @@ class LocalHints:
     def prepare(
         self, action: HintAction, payload: HintPayload, blocks: Sequence[BlockId]
     ) -> tuple[HintOutcome, list[BlockId]]:
-        """The outcome so far and the blocks to act on: those of ``blocks`` held here, root
-        first, cut at ``limit_blocks``; the others are listed as missing (``missing`` when
-        none is held)."""
-        outcome = HintOutcome(action.action_id, action.action_type, "accepted")
-        held = [b for b in blocks if b in self.store]
-        outcome.missing = [b[2] for b in blocks if b not in self.store]
-        if not held:
-            outcome.note("missing", Reason.NOT_HELD, "no target block is held here")
-            return outcome, []
-        if outcome.missing:
-            missing = len(outcome.missing)
-            outcome.note("clipped", Reason.NOT_HELD, f"{missing} target blocks are not held here")
-        if payload.limit_blocks is not None and len(held) > payload.limit_blocks:
-            held = held[: payload.limit_blocks]
-            limit = payload.limit_blocks
-            outcome.note("clipped", Reason.LIMIT_BLOCKS, f"limited to {limit} blocks")
-        return outcome, held
+        return held_first(action, payload, blocks, self.store)
 
     def run(
         self,
@@ -240,24 +231,6 @@ class LocalHints:
                 outcome.note(said, Reason.NO_ROOM, exc.detail)
                 return outcome
             outcome.blocks += 1
-        return outcome
-
-    def prefetch_engine(
-        self, action: HintAction, blocks: Sequence[BlockId], in_g1: frozenset[BlockId]
-    ) -> HintOutcome:
-        """Prefetch where the engine loads its own pages (``in_g1``: the targets there)."""
-        outcome = HintOutcome(action.action_id, action.action_type, "accepted", blocks=len(in_g1))
-        only_g2 = [b for b in blocks if b not in in_g1 and b in self.store]
-        outcome.missing = [b[2] for b in blocks if b not in in_g1 and b not in self.store]
-        if only_g2:
-            said: Outcome = "clipped" if in_g1 else "rejected"
-            later = f"{len(only_g2)} target blocks are in G2 only; the engine loads them into "
-            outcome.note(said, Reason.ENGINE_G1, later + "its pages when a request uses them")
-        elif not in_g1:
-            outcome.note("missing", Reason.NOT_HELD, "no target block is held here")
-        elif outcome.missing:
-            missing = len(outcome.missing)
-            outcome.note("clipped", Reason.NOT_HELD, f"{missing} target blocks are not held here")
         return outcome
 
     def _promote(self, block: BlockId) -> bool:
@@ -330,3 +303,48 @@ def engine_kept(action: str, outcome: HintOutcome, in_g1: frozenset[BlockId]) ->
     said: Outcome = "clipped" if outcome.blocks else "rejected"
     outcome.note(said, Reason.ENGINE_G1, f"{len(in_g1)} target blocks {_ENGINE_KEEPS[action]}")
     return outcome
+
+
+def engine_prefetch(
+    action: HintAction,
+    blocks: Sequence[BlockId],
+    in_g1: frozenset[BlockId],
+    in_g2: Container[BlockId],
+) -> HintOutcome:
+    """Prefetch where the engine loads its own pages: the targets already there (``in_g1``)
+    are done; those only in G2 (``in_g2``) wait for a request to use them."""
+    outcome = HintOutcome(action.action_id, action.action_type, "accepted", blocks=len(in_g1))
+    only_g2 = [b for b in blocks if b not in in_g1 and b in in_g2]
+    outcome.missing = [b[2] for b in blocks if b not in in_g1 and b not in in_g2]
+    if only_g2:
+        said: Outcome = "clipped" if in_g1 else "rejected"
+        later = f"{len(only_g2)} target blocks are in G2 only; the engine loads them into "
+        outcome.note(said, Reason.ENGINE_G1, later + "its pages when a request uses them")
+    elif not in_g1:
+        outcome.note("missing", Reason.NOT_HELD, "no target block is held here")
+    elif outcome.missing:
+        missing = len(outcome.missing)
+        outcome.note("clipped", Reason.NOT_HELD, f"{missing} target blocks are not held here")
+    return outcome
+
+
+def held_first(
+    action: HintAction, payload: HintPayload, blocks: Sequence[BlockId], held: Container[BlockId]
+) -> tuple[HintOutcome, list[BlockId]]:
+    """The outcome so far and the blocks to act on: those of ``blocks`` in ``held``, root
+    first, cut at ``limit_blocks``; the others are listed as missing (``missing`` when none is
+    held)."""
+    outcome = HintOutcome(action.action_id, action.action_type, "accepted")
+    found = [b for b in blocks if b in held]
+    outcome.missing = [b[2] for b in blocks if b not in held]
+    if not found:
+        outcome.note("missing", Reason.NOT_HELD, "no target block is held here")
+        return outcome, []
+    if outcome.missing:
+        missing = len(outcome.missing)
+        outcome.note("clipped", Reason.NOT_HELD, f"{missing} target blocks are not held here")
+    if payload.limit_blocks is not None and len(found) > payload.limit_blocks:
+        found = found[: payload.limit_blocks]
+        limit = payload.limit_blocks
+        outcome.note("clipped", Reason.LIMIT_BLOCKS, f"limited to {limit} blocks")
+    return outcome, found

@@ -18,7 +18,7 @@ pool, the engine's events, and KvHints executed against the pool.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 from prometheus_client import Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -31,21 +31,28 @@ from kvsp.core.hints import (
     HintOutcome,
     HintPayload,
     KvHints,
-    Outcome,
     Reason,
     action_name,
-    parse_payload,
+    read_action,
+    rejection,
 )
-from kvsp.core.problems import AlreadyStored, KvspError
+from kvsp.core.problems import KvspError
 from kvsp.core.records import HttpUrl
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.client import MOQT_SKIPS, HolderClient
 from kvsp.holder.service import BLOCK_ROLES, HolderService
 from kvsp.holder.store import Effect, Publish
 from kvsp.instance.events import EventLog
-from kvsp.instance.hints import HintLimits, LocalHints, PinTable, engine_kept
+from kvsp.instance.hints import (
+    HintLimits,
+    LocalHints,
+    PinTable,
+    engine_kept,
+    engine_prefetch,
+)
 from kvsp.instance.kvpool import BlockRefs
 from kvsp.instance.session_index import SessionPrefixIndex
+from kvsp.instance.share import share_blocks
 
 __all__ = ["SessionKv"]
 
@@ -204,17 +211,12 @@ class SessionKv:
 
     async def _one(self, principal: Principal, compat_id: str, action: HintAction) -> HintOutcome:
         def rejected(code: Reason, reason: str) -> HintOutcome:
-            return HintOutcome(action.action_id, action.action_type, "rejected", reason, code)
+            return rejection(action, code, reason)
 
-        name = action_name(action)
-        if name is None:
-            return rejected(
-                Reason.NOT_IMPLEMENTED,
-                f"{action.action_type} version {action.action_version} is not implemented here",
-            )
-        payload = parse_payload(action)
-        if isinstance(payload, str):
-            return rejected(Reason.INVALID, payload)
+        read = read_action(action)
+        if isinstance(read, HintOutcome):
+            return read
+        name, payload = read
         target = payload.target
         scope, keys = target.scope_id, target.block_keys
         if target.session is not None:
@@ -245,7 +247,7 @@ class SessionKv:
         def run() -> HintOutcome:
             self.pins.expire()
             if g1 is not None and name == "prefetch":
-                return self.local.prefetch_engine(action, blocks, in_g1)
+                return engine_prefetch(action, blocks, in_g1, self.holder.store)
             outcome, held = self.local.prepare(action, payload, blocks)
             if g1 is not None and name == "demote":
                 outcome.blocks = len(held)  # the pool is G2 there: each has its verified copy
@@ -272,21 +274,18 @@ class SessionKv:
             return outcome, out
 
         outcome, taken = await self.holder.call(take)
+
+        async def each() -> AsyncIterator[tuple[BlockId, Container]]:
+            for item in taken:
+                yield item
+
+        def copied(block: BlockId, octets: int) -> None:
+            self.transfer(block, self.holder.url, destination, octets)
+
         try:
-            for block, container in taken:
-                try:
-                    await self.peers.put(destination, block, container)
-                except AlreadyStored:
-                    pass
-                except KvspError as exc:
-                    said: Outcome = "clipped" if outcome.blocks else "deferred"
-                    outcome.note(said, Reason.UNREACHABLE, f"{destination}: {exc.detail}")
-                    break
-                outcome.blocks += 1
-                self.transfer(block, self.holder.url, destination, container.size)
+            return await share_blocks(self.peers, destination, outcome, each(), copied)
         finally:
             await self.holder.call(lambda: self.in_use.release([b for b, _ in taken]))
-        return outcome
 
 
 class _PerScope(Collector):

@@ -10,6 +10,9 @@
   from that holder (the range that failed, whole); a wrong Repr-Digest over layers that all
   match their layer digests is refused too (KVSP 6.7: clients MUST verify it), so that block is
   recomputed; the output is correct in every case;
+- KvHints on the requests of a stock vLLM with the connector (vLLM's own ``kv_hints``, Dynamo's
+  ``kv_transfer_params.kv_hint``) run against vLLM's pages and the connector's holder, each
+  outcome saying what it reached;
 - the controller routes a session to a vLLM instance and, after a SIGKILL, resumes it on another
   vLLM instance, every token index once, equal to the reference, greedy or sampled (vLLM
   samples by kvsp's rule, so the resumed instance draws what the killed one would have).
@@ -50,7 +53,8 @@ from tests.integration.instances import (
     eventually,
     generate,
 )
-from tests.servers import running, serving
+from tests.integration.test_session_hints_processes import envelope
+from tests.servers import Service, free_port, running, serving
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -71,9 +75,12 @@ async def offline(
     model_files: ModelFiles,
     prompts: list[Any],
     max_tokens: int = 16,
+    log: list[str] | None = None,
+    options: dict[str, Any] | None = None,
     **extra: Any,
 ) -> list[dict[str, Any]]:
-    """Prompts through vLLM with KVSPConnector in a process of its own."""
+    """Prompts through vLLM with KVSPConnector (``extra``: its settings) in a process of its
+    own (``options``: more of the spec; its log lines go to ``log``)."""
     spec = {
         "model_dir": str(model_files.folder),
         "connector": "KVSPConnector",
@@ -86,6 +93,7 @@ async def offline(
         },
         "prompts": prompts,
         "max_tokens": max_tokens,
+        **(options or {}),
     }
     path = cluster.tenants.with_name(f"spec-{uuid.uuid4().hex[:8]}.json")
     path.write_text(json.dumps(spec))
@@ -96,6 +104,8 @@ async def offline(
     out, err = await process.communicate()
     path.with_suffix(".log").write_bytes(err)
     assert process.returncode == 0, err.decode()[-4000:]
+    if log is not None:
+        log += err.decode(errors="replace").splitlines()
     return [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
 
 
@@ -331,3 +341,91 @@ async def test_controller_resumes_a_vllm_session_on_another_vllm_instance(
     summary = chunks[-1]["kvsp"]
     assert summary["resumed"] == 1
     assert summary["instance"] != killed[0]
+
+
+def hint_outcomes(log: list[str], envelope: dict[str, Any]) -> list[dict[str, Any]]:
+    """The outcomes the connector logged for the envelope's actions, in order."""
+    marker = "kvsp hint outcome "
+    found = [json.loads(line.split(marker, 1)[1]) for line in log if marker in line]
+    mine = {o["action_id"]: o for o in found if o["message_id"] == envelope["message_id"]}
+    return [mine[a["action_id"]] for a in envelope["actions"]]
+
+
+async def test_a_stock_vllm_runs_the_hints_its_requests_carry_against_its_pages_and_holder(
+    cluster: Cluster, model_files: ModelFiles, tmp_path: Path
+) -> None:
+    """vLLM's own ``kv_hints`` and Dynamo's ``kv_transfer_params.kv_hint``, on the requests of
+    an offline vLLM with the connector (as under ``vllm serve``): session targets resolve to the
+    blocks vLLM served for that session, and each outcome says what it reached."""
+    compat = model_files.compat_id.hex()
+    acme = scope_id(bytes.fromhex(SCOPE_KEY)).hex()
+    first = (PROMPT[3:] * 7)[:300]  # 300 tokens and 16 more: 19 blocks
+    keys = [k.hex() for k in block_keys(bytes.fromhex(SCOPE_KEY), parse_compat_id(compat),
+                                        first[:288], 16)]  # fmt: skip
+    other = scope_id(bytes.fromhex("66" * 32)).hex()
+    destination_port = free_port()
+    destination_url = f"http://127.0.0.1:{destination_port}/kvsp/"
+    destination = Service("holder", "serve", "--url", destination_url, "--host-bytes", "64M",
+                          "--log-level", "warning", port=destination_port)  # fmt: skip
+    me = {"target": {"session": "conversation-1"}}
+    native = envelope(
+        ("kv.pin", {**me, "ttl_ms": 60_000}),
+        ("kv.retain", {**me, "ttl_ms": 60_000}),
+        ("kv.demote", me),
+        ("kv.prefetch", me),
+        ("kv.share", {**me, "destination": destination_url}),
+        (
+            "kv.fetch",
+            {"source_control_endpoint": "tcp://127.0.0.1:9", "block_hashes": [3], "mode": "copy"},
+        ),
+        ("kv.pin", {"target": {"scope_id": other, "block_keys": keys[:1]}, "ttl_ms": 1_000}),
+    )
+    dynamo = envelope(
+        ("kv.pin", {"target": {"scope_id": acme, "block_keys": keys[:2]}, "ttl_ms": 1_000})
+    )
+    log: list[str] = []
+    with running(destination):
+        served, carried, bridged = await offline(
+            cluster,
+            model_files,
+            [
+                {"tokens": first, "session_id": "conversation-1"},
+                {"tokens": LONG[:40], "kv_hints": native},
+                {"tokens": LONG[40:80], "kv_transfer_params": {"kv_hint": dynamo}},
+            ],
+            log=log,
+            tenant="acme",
+            request_hints=True,
+            options={"prefix_caching": True, "kv_events": f"ipc://{tmp_path}/kv-events"},
+        )
+        async with httpx.AsyncClient() as http:
+            copied = [
+                (await http.get(f"{destination_url}blocks/{compat}/{acme}/{key}")).status_code
+                for key in keys
+            ]
+    assert carried["kv_transfer_params"]["kvsp"]["kv_hints"] == {
+        "message_id": native["message_id"],
+        "actions": 7,
+    }
+    pin, retain, demote, prefetch, share, fetch, foreign = hint_outcomes(log, native)
+    # vLLM holds the first two pages (16 blocks); the holder all 19: pins and demote reach the
+    # holder's copies and say what stays in vLLM's pages
+    for o in (pin, demote):
+        assert (o["outcome"], o["code"], o["blocks"]) == ("clipped", "engine-g1", 19), o
+    assert pin["ttl_ms"] == 60_000
+    assert (retain["outcome"], retain["code"]) == ("rejected", "not-implemented")
+    assert (prefetch["outcome"], prefetch["code"], prefetch["blocks"]) == (
+        "clipped",
+        "engine-g1",
+        16,
+    )
+    assert (share["outcome"], share["blocks"]) == ("accepted", 19)
+    assert copied[:18] == [200] * 18
+    assert (fetch["outcome"], fetch["code"]) == ("rejected", "not-implemented")
+    assert "kv.fetch version 1.0" in fetch["reason"]
+    assert (foreign["outcome"], foreign["code"]) == ("rejected", "forbidden")
+    # Dynamo's bridge field: the same envelope, the same executor
+    assert bridged["kv_transfer_params"]["kvsp"]["kv_hints"]["actions"] == 1
+    [leased] = hint_outcomes(log, dynamo)
+    assert (leased["outcome"], leased["code"], leased["blocks"]) == ("clipped", "engine-g1", 2)
+    assert "kv_hints" not in served["kv_transfer_params"]["kvsp"]

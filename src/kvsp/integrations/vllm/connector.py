@@ -61,6 +61,7 @@ from kvsp.holder.client import HolderClient, fetchable
 from kvsp.index.client import IndexClient
 from kvsp.integrations.vllm.events import KvEventSubscriber
 from kvsp.integrations.vllm.g1 import G1Pages
+from kvsp.integrations.vllm.hints import ConnectorHints, request_hints
 from kvsp.integrations.vllm.layout import CpuPagedCache
 from kvsp.integrations.vllm.loop import LoopThread
 from kvsp.integrations.vllm.plans import (
@@ -89,6 +90,8 @@ _LAYER = re.compile(r"layers\.(\d+)\.")
 _MAX_PENDING_SAVES = 512
 #: connections to each holder (32 and 128 measured alike for a 2,048-token prompt)
 _CONNECTIONS = 32
+#: requests whose hints are still running, at most; past it a request's hints are refused
+_MAX_HINT_RUNS = 64
 #: receive buffers kept between steps (octets)
 _KEPT_BUFFER_OCTETS = 256 << 20
 
@@ -249,6 +252,8 @@ class KVSPConnector(KVConnectorBase_V1):
         #: the KVSP blocks in vLLM's pages, from vLLM's KV events (when it publishes them)
         self.g1 = G1Pages(4 * max(int(kv_cache_config.num_blocks), 1024))
         self._events: KvEventSubscriber | None = None
+        self._hints: ConnectorHints | None = None
+        self._hint_runs: set[Future[Any]] = set()
         events = vllm_config.kv_events_config
         if (
             role == KVConnectorRole.SCHEDULER
@@ -415,7 +420,48 @@ class KVSPConnector(KVConnectorBase_V1):
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None
-        return False, {"kvsp": {"loaded_tokens": tracked.loaded_tokens}}
+        answer: dict[str, Any] = {"loaded_tokens": tracked.loaded_tokens}
+        if self.settings.request_hints:
+            said = self._run_hints(tracked, request)
+            if said is not None:
+                answer["kv_hints"] = said
+        return False, {"kvsp": answer}
+
+    def _hint_executor(self) -> ConnectorHints:
+        if self._hints is None:
+            s = self.settings
+            self._hints = ConnectorHints(
+                self.compat_hex, s.holder_url, self.g1, self._index_client(), self._holder_client()
+            )
+        return self._hints
+
+    def _run_hints(self, tracked: TrackedRequest, request: Request) -> dict[str, Any] | None:
+        """Remember the session's blocks; start the hints the request carries, if any, on the
+        loop. What the answer says of them: the envelope taken, or why not."""
+        tenant = self.settings.tenant_of(request.kv_transfer_params)
+        if tenant is None:
+            return None
+        executor = self._hint_executor()
+        tokens = request.all_token_ids
+        keys = tracked.keys(tokens)
+        blocks = [(self.compat_hex, tracked.scope_of(i), k) for i, k in enumerate(keys)]
+        if request.session_id is not None:
+            executor.served(tenant, request.session_id, blocks)
+        hints, refused = request_hints(request.kv_hints, request.kv_transfer_params)
+        if refused is not None:
+            log.warning("request %s: KvHints refused: %s", request.request_id, refused)
+            return {"refused": refused}
+        if hints is None:
+            return None
+        self._hint_runs = {f for f in self._hint_runs if not f.done()}
+        if len(self._hint_runs) >= _MAX_HINT_RUNS:
+            log.warning("request %s: too many KvHints running; not run", request.request_id)
+            return {"message_id": hints.message_id, "refused": "too many hint runs in flight"}
+        computed = min(request.num_computed_tokens, len(tokens)) // self.block_tokens
+        last = blocks[computed - 1] if computed and self.settings.holder_url else None
+        run = executor.run(hints.message_id, executor.plan(tenant, hints), last)
+        self._hint_runs.add(self._loop.submit(run))
+        return {"message_id": hints.message_id, "actions": len(hints.actions)}
 
     # -- worker side: registration and loads -------------------------------------------------------
 
@@ -615,9 +661,10 @@ class KVSPConnector(KVConnectorBase_V1):
             self._saves.discard(future)
 
     def flush(self) -> None:
-        """Wait for the saves in flight (a process about to exit keeps its last blocks)."""
+        """Wait for the saves and hint runs in flight (a process about to exit keeps its last
+        blocks and carries out the hints it took)."""
         with self._save_lock:
-            pending = list(self._saves)
+            pending: list[Future[Any]] = [*self._saves, *self._hint_runs]
         for future in pending:
             try:
                 future.result(self.settings.timeout_s)

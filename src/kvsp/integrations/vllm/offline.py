@@ -6,7 +6,9 @@ connector benchmark drive vLLM in processes of their own. ``SPEC.json``::
 
     {"model_dir": "...", "connector": "KVSPConnector" | "ExampleConnector" | null,
      "extra_config": {...}, "max_tokens": 16, "block_size": 128, "kv_cache_gib": 1,
-     "prompts": [[token ids] | {"tokens": [...], "kv_transfer_params": {...}}, ...]}
+     "prefix_caching": false, "kv_events": "ipc://..." (vLLM's KV events, for the connector),
+     "prompts": [[token ids] | {"tokens": [...], "kv_transfer_params": {...},
+                                "session_id": "...", "kv_hints": {envelope}}, ...]}
 
 Each line: ``{"tokens": [...], "cached_tokens": n, "seconds": s, "kv_transfer_params": {...}}``
 (``seconds``: the whole request; with ``max_tokens`` 1, the time to the first token).
@@ -15,6 +17,7 @@ Each line: ``{"tokens": [...], "cached_tokens": n, "seconds": s, "kv_transfer_pa
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -27,8 +30,8 @@ __all__ = ["main", "run"]
 
 def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
     vllm_environment(int(spec.get("kv_cache_gib", 1)))
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import LLM, RequestOutput, SamplingParams
+    from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     model = Path(spec["model_dir"]).expanduser() / "safetensors"
@@ -49,11 +52,19 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
         enforce_eager=True,
         enable_prefix_caching=bool(spec.get("prefix_caching", False)),
         kv_transfer_config=transfer,
+        kv_events_config=None
+        if spec.get("kv_events") is None
+        else KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=spec["kv_events"]
+        ),
         seed=0,
         distributed_executor_backend="uni",
     )
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    engine = llm.llm_engine
     out = []
-    for prompt in spec["prompts"]:
+    for n, prompt in enumerate(spec["prompts"]):
         entry = prompt if isinstance(prompt, dict) else {"tokens": prompt}
         transfer_params = entry.get("kv_transfer_params")
         params = SamplingParams(
@@ -61,10 +72,26 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
             temperature=0.0,
             extra_args=None if transfer_params is None else {"kv_transfer_params": transfer_params},
         )
+        hints = entry.get("kv_hints")
+        envelope = None
+        if hints is not None:
+            actions = [KvHintAction(**a) for a in hints["actions"]]
+            envelope = KvHintsEnvelope(hints["protocol_version"], hints["message_id"], actions)
         started = time.perf_counter()
-        (result,) = llm.generate(
-            [TokensPrompt(prompt_token_ids=list(entry["tokens"]))], params, use_tqdm=False
+        request = f"prompt-{n}"
+        engine.add_request(
+            request,
+            TokensPrompt(prompt_token_ids=list(entry["tokens"])),
+            params,
+            session_id=entry.get("session_id"),
+            kv_hints=envelope,
         )
+        result: RequestOutput | None = None
+        while result is None:
+            for output in engine.step():
+                if output.request_id == request and output.finished:
+                    assert isinstance(output, RequestOutput), "a generation request"
+                    result = output
         out.append(
             {
                 "tokens": list(result.outputs[0].token_ids),
@@ -78,6 +105,8 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main() -> None:
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvsp").setLevel(logging.INFO)  # the hint outcomes, among others
     spec = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
     for line in run(spec):
         print(json.dumps(line), flush=True)

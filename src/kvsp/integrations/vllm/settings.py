@@ -11,6 +11,7 @@ Example (``--kv-transfer-config`` on vLLM's command line)::
         "token": "...", "tenants_file": "tenants.toml", "tenant": "acme",
         "model_dir": "~/.cache/kvsp/models/smollm2-135m-instruct-0.1.2"}}
 
+KvHints that requests carry are executed only with ``request_hints`` true, for the same reason.
 Which tenant's scope a request is keyed with: ``kv_transfer_params["kvsp"]["tenant"]`` when
 ``request_tenants`` is true (only behind a front end that sets it and drops what clients send,
 since vLLM's server passes ``kv_transfer_params`` on from clients), else ``tenant``. A request
@@ -42,6 +43,7 @@ _KEYS = frozenset(
         "tenants_file",
         "tenant",
         "request_tenants",
+        "request_hints",
         "model_dir",
         "block_tokens",
         "layer_chunk",
@@ -78,6 +80,9 @@ class ConnectorSettings:
     #: the tenant of requests that name none (None: such requests get no KVSP)
     tenant: str | None
     request_tenants: bool
+    #: execute the KvHints requests carry (vLLM's ``kv_hints``, Dynamo's
+    #: ``kv_transfer_params.kv_hint``); only behind a router that sets them
+    request_hints: bool
     files: ModelFiles
     #: most layers per GET (0: a GET per run of layers the holder keeps in one tier); every
     #: GET is streamed and each layer written as it arrives either way
@@ -113,9 +118,12 @@ class ConnectorSettings:
                 raise ConfigurationError(
                     f"KVSPConnector tenant {tenant!r} is not in {tenants_file}"
                 ) from None
-        request_tenants = extra.get("request_tenants", False)
-        if not isinstance(request_tenants, bool):
-            raise ConfigurationError("KVSPConnector setting 'request_tenants' must be a boolean")
+        request_tenants, request_hints = (
+            extra.get(key, False) for key in ("request_tenants", "request_hints")
+        )
+        for key, value in (("request_tenants", request_tenants), ("request_hints", request_hints)):
+            if not isinstance(value, bool):
+                raise ConfigurationError(f"KVSPConnector setting {key!r} must be a boolean")
         copies = extra.get("copy_urls", [])
         if not isinstance(copies, list) or not all(isinstance(u, str) and u for u in copies):
             raise ConfigurationError("KVSPConnector setting 'copy_urls' must be a list of URLs")
@@ -130,6 +138,7 @@ class ConnectorSettings:
             tenants=tenants,
             tenant=tenant,
             request_tenants=request_tenants,
+            request_hints=request_hints,
             files=files,
             layer_chunk=_int(extra, "layer_chunk", 0, 0, 1 << 16),
             timeout_s=float(timeout),
