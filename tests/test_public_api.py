@@ -100,11 +100,14 @@ STATE_MODULES = [
     PACKAGE / "controller" / "placement.py",
     PACKAGE / "controller" / "sessions.py",
     PACKAGE / "controller" / "reshard.py",
+    PACKAGE / "instance" / "hints.py",
     PACKAGE / "instance" / "kvpool.py",
     PACKAGE / "instance" / "links.py",
     PACKAGE / "instance" / "release.py",
     PACKAGE / "instance" / "sampling.py",
     PACKAGE / "instance" / "shards.py",
+    PACKAGE / "integrations" / "vllm" / "g1.py",
+    PACKAGE / "integrations" / "vllm" / "plans.py",
 ]
 
 
