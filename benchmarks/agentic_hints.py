@@ -187,13 +187,26 @@ def run(hints: bool, compat: str, tmp: Path, pool: list[str]) -> dict[str, Any]:
             service.stop()
 
 
-def compare(benchmark: str, pool: list[str], **shown: Any) -> None:
-    """LRU alone, then hints, on ``pool``; one JSON line with the figures and their targets."""
+def compare(
+    benchmark: str, pool: list[str], without: tuple[str, list[str]] | None = None, **shown: Any
+) -> None:
+    """LRU alone, then hints, on ``pool``; one JSON line with the figures and their targets.
+    ``without``: a piece's name and the arguments that turn it off, for a hints run without it
+    in the same run (what the piece gains)."""
     compat = install().compat_id.hex()
     with tempfile.TemporaryDirectory() as tmp:
         lru = run(False, compat, Path(tmp), pool)
         hinted = run(True, compat, Path(tmp), pool)
+        off = None if without is None else run(True, compat, Path(tmp), [*pool, *without[1]])
     ratio = hinted["continuation_ttft_s"] / lru["continuation_ttft_s"]
+    if without is not None and off is not None:
+        shown[f"without_{without[0]}"] = {
+            "continuation_ttft_hints_s": round(off["continuation_ttft_s"], 3),
+            "ttft_ratio_hints_to_lru": round(
+                off["continuation_ttft_s"] / lru["continuation_ttft_s"], 3
+            ),
+            "gain": round(off["continuation_ttft_s"] / hinted["continuation_ttft_s"], 3),
+        }
     print(
         json.dumps(
             {

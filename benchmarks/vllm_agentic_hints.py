@@ -29,7 +29,9 @@ VLLM_POOL = ["--engine", "vllm", "--vllm-page-tokens", str(PAGE_TOKENS),
 
 
 def main() -> None:
-    compare("vllm_agentic_hints", VLLM_POOL, vllm_pages=PAGES, page_tokens=PAGE_TOKENS,
+    # the connector's in-process reads of the instance's own holder, measured against HTTP
+    http = ("local_reads", ["--no-vllm-local-reads"])
+    compare("vllm_agentic_hints", VLLM_POOL, http, vllm_pages=PAGES, page_tokens=PAGE_TOKENS,
             g2_bytes=G2_BYTES)  # fmt: skip
 
 

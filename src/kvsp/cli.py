@@ -622,6 +622,13 @@ def instance_serve_command(
         int | None,
         typer.Option("--vllm-pages", min=2, help="vLLM's KV pages (default: what fits the size)"),
     ] = None,
+    vllm_local_reads: Annotated[
+        bool,
+        typer.Option(
+            "--vllm-local-reads/--no-vllm-local-reads",
+            help="vLLM's connector reads this instance's own holder in process",
+        ),
+    ] = True,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
     http_limit: HttpLimits = None,
 ) -> None:
@@ -662,7 +669,9 @@ def instance_serve_command(
     if engine == "vllm":
         from kvsp.integrations.vllm.instance import VllmInstanceService, VllmOptions
 
-        options = VllmOptions(tenants, vllm_page_tokens, vllm_kv_cache_gib, vllm_pages)
+        options = VllmOptions(
+            tenants, vllm_page_tokens, vllm_kv_cache_gib, vllm_pages, vllm_local_reads
+        )
         service: InstanceService = VllmInstanceService(config, options)
     else:
         service = InstanceService(config)

@@ -211,6 +211,8 @@ class HolderService:
         self._tasks: list[asyncio.Task[None]] = []
         #: SHA-256 of each held block's whole container, for Repr-Digest of full GETs
         self._repr: dict[BlockId, bytes] = {}
+        #: the event loop it runs on, once started
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- running -------------------------------------------------------------------------------
 
@@ -255,6 +257,7 @@ class HolderService:
 
     async def start(self) -> None:
         """Take back what the disk tier kept over a restart, then start publishing."""
+        self._loop = asyncio.get_running_loop()
         if isinstance(self._disk, DiskTier):
             restored, failed = await self.call(self._restore)
             log.info("disk tier: %d blocks restored, %d removed", restored, len(failed))
@@ -528,6 +531,25 @@ class HolderService:
             if block not in self.store:
                 self._withdraw_stale(block)
             raise
+
+    def read_in_process(self, block: BlockId, take: Callable[[BlockRead], T]) -> T | None:
+        """``take`` of a whole block held in host memory, for a client in this process on
+        another thread (the vLLM connector of the vLLM-backed instance): run under the store's
+        lock, so the octets cannot be reused while ``take`` copies them, each layer checked
+        against its digest by the store; None when it is not all in host memory (the client
+        then fetches it over HTTP). What the read left (a faulty block dropped) goes to the
+        event loop."""
+        with self._lock:
+            if not self.store.in_host(block):
+                return None
+            try:
+                read, effects = self._run(lambda: self.store.get(block))
+                taken: T | None = take(read)
+            except NotFound:
+                taken, effects = None, self.store.take_effects()
+        if effects and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._settle, None, effects)
+        return taken
 
     def _withdraw_stale(self, block: BlockId) -> None:
         """A block asked for and not held: any record the index has of it here is stale (kept

@@ -31,7 +31,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -56,8 +56,10 @@ from kvsp.core.problems import (
 from kvsp.core.records import LookupRequest, ReplicaRecord
 from kvsp.core.registries import CODEC_RAW
 from kvsp.core.shared import scope_runs
+from kvsp.holder import local as local_holders
 from kvsp.holder.blocks import MAX_BLOCK_OCTETS
 from kvsp.holder.client import HolderClient, fetchable
+from kvsp.holder.store import BlockRead
 from kvsp.index.client import IndexClient
 from kvsp.integrations.vllm.events import KvEventSubscriber
 from kvsp.integrations.vllm.g1 import G1Pages
@@ -520,6 +522,16 @@ class KVSPConnector(KVConnectorBase_V1):
         page, offset = plan.page_of(load.first_token, self.page_tokens)
         done = 0  # layers 0..done-1 are handed over
         for record in load.records:
+            local = self._read_local(record) if self.settings.local_reads else None
+            taken = None if local is None else await local
+            if taken is not None:
+                buffer, octets = taken
+                run.buffers.append(buffer)
+                if run.live(plan, index):
+                    run.hand_over(0, g.layers - 1, page, offset, buffer[:octets])
+                else:
+                    run.settled(0, g.layers - 1)
+                return
             try:
                 for first, last in fetch_ranges(record, done, self.settings.layer_chunk):
                     if record.size > MAX_BLOCK_OCTETS:  # a record's size alone allocates nothing
@@ -553,6 +565,34 @@ class KVSPConnector(KVConnectorBase_V1):
         run.fail(plan, index)
         if done < g.layers:
             run.settled(done, g.layers - 1)
+
+    def _read_local(self, record: ReplicaRecord) -> Awaitable[tuple[memoryview, int] | None] | None:
+        """The block's layer sections from a holder in this process, copied into a receive
+        buffer on a worker thread: the buffer and how many octets (None: no such holder; the
+        awaitable gives None when the block is not all in host memory there, or not in the raw
+        layout)."""
+        holder = local_holders.find(record.holder)
+        if holder is None:
+            return None
+        block = (record.compat_id, record.scope_id, record.block_key)
+        pair = (self._section_octets, self._section_octets)
+
+        def take(read: BlockRead) -> tuple[memoryview, int] | None:
+            h = read.header
+            if (
+                len(read.parts) != 1
+                or h.codec != CODEC_RAW
+                or h.token_count != self.block_tokens
+                or h.lengths != (pair,) * self.geometry.layers
+            ):
+                return None
+            octets = read.parts[0]
+            buffer = self._buffers.take(len(octets))  # what the store holds, not what a record says
+            buffer[: len(octets)] = octets
+            return buffer, len(octets)
+
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(None, holder.read_in_process, block, take)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Return once ``layer`` is in place for every block. Meanwhile vLLM's thread, which

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from kvsp.core.hints import KvHints
 from kvsp.core.problems import NotFound, ServiceUnavailable
 from kvsp.core.records import Sampler
+from kvsp.holder import local as local_holders
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.store import TierData
 from kvsp.instance.config import InstanceConfig
@@ -76,6 +77,8 @@ class VllmOptions:
     #: vLLM's KV pages, fewer than fit ``kv_cache_gib`` (None: as many as fit); a prompt and its
     #: output must fit them but one (vLLM keeps a page aside), so they also bound the context
     pages: int | None = None
+    #: the connector reads this instance's own holder in process (False: over HTTP, as any)
+    local_reads: bool = True
     max_model_len: int = 4096
 
     @property
@@ -239,6 +242,7 @@ class VllmInstanceService(InstanceService):
                 "request_tenants": True,
                 "model_dir": str(self.files.folder),
                 "block_tokens": self.block_tokens,
+                "local_reads": self.options.local_reads,
             }
             if config.token is not None:
                 extra["token"] = config.token
@@ -298,6 +302,7 @@ class VllmInstanceService(InstanceService):
 
     async def start(self) -> None:
         await super().start()
+        local_holders.register(self.holder)  # the connector reads it without HTTP
         connector = self._connector()
         if connector is not None:  # vLLM's pages in the session index, from its KV events
             loop = asyncio.get_running_loop()
@@ -328,6 +333,7 @@ class VllmInstanceService(InstanceService):
         with contextlib.suppress(Exception):
             self.vllm.engine_core.shutdown()  # the connector's saves in flight finish first
         self._events_dir.cleanup()
+        local_holders.unregister(self.holder)
         await super().close()
 
     # -- generation ----------------------------------------------------------------------------

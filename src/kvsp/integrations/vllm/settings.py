@@ -44,6 +44,7 @@ _KEYS = frozenset(
         "tenant",
         "request_tenants",
         "request_hints",
+        "local_reads",
         "model_dir",
         "block_tokens",
         "layer_chunk",
@@ -83,6 +84,8 @@ class ConnectorSettings:
     #: execute the KvHints requests carry (vLLM's ``kv_hints``, Dynamo's
     #: ``kv_transfer_params.kv_hint``); only behind a router that sets them
     request_hints: bool
+    #: read blocks of a holder in this process (the vLLM instance's own) without HTTP
+    local_reads: bool
     files: ModelFiles
     #: most layers per GET (0: a GET per run of layers the holder keeps in one tier); every
     #: GET is streamed and each layer written as it arrives either way
@@ -118,10 +121,19 @@ class ConnectorSettings:
                 raise ConfigurationError(
                     f"KVSPConnector tenant {tenant!r} is not in {tenants_file}"
                 ) from None
-        request_tenants, request_hints = (
-            extra.get(key, False) for key in ("request_tenants", "request_hints")
+        request_tenants, request_hints, local_reads = (
+            extra.get(key, default)
+            for key, default in (
+                ("request_tenants", False),
+                ("request_hints", False),
+                ("local_reads", True),
+            )
         )
-        for key, value in (("request_tenants", request_tenants), ("request_hints", request_hints)):
+        for key, value in (
+            ("request_tenants", request_tenants),
+            ("request_hints", request_hints),
+            ("local_reads", local_reads),
+        ):
             if not isinstance(value, bool):
                 raise ConfigurationError(f"KVSPConnector setting {key!r} must be a boolean")
         copies = extra.get("copy_urls", [])
@@ -139,6 +151,7 @@ class ConnectorSettings:
             tenant=tenant,
             request_tenants=request_tenants,
             request_hints=request_hints,
+            local_reads=local_reads,
             files=files,
             layer_chunk=_int(extra, "layer_chunk", 0, 0, 1 << 16),
             timeout_s=float(timeout),
