@@ -199,7 +199,8 @@ def compare(
         hinted = run(True, compat, Path(tmp), pool)
         off = None if without is None else run(True, compat, Path(tmp), [*pool, *without[1]])
     ratio = hinted["continuation_ttft_s"] / lru["continuation_ttft_s"]
-    if without is not None and off is not None:
+    if without is not None:
+        assert off is not None, "run when without is"
         shown[f"without_{without[0]}"] = {
             "continuation_ttft_hints_s": round(off["continuation_ttft_s"], 3),
             "ttft_ratio_hints_to_lru": round(

@@ -443,13 +443,15 @@ class KVSPConnector(KVConnectorBase_V1):
         tenant = self.settings.tenant_of(request.kv_transfer_params)
         if tenant is None:
             return None
+        hints, refused = request_hints(request.kv_hints, request.kv_transfer_params)
+        if request.session_id is None and hints is None and refused is None:
+            return None  # nothing to remember, nothing to run
         executor = self._hint_executor()
         tokens = request.all_token_ids
         keys = tracked.keys(tokens)
         blocks = [(self.compat_hex, tracked.scope_of(i), k) for i, k in enumerate(keys)]
         if request.session_id is not None:
             executor.served(tenant, request.session_id, blocks)
-        hints, refused = request_hints(request.kv_hints, request.kv_transfer_params)
         if refused is not None:
             log.warning("request %s: KvHints refused: %s", request.request_id, refused)
             return {"refused": refused}

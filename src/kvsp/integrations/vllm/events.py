@@ -37,8 +37,6 @@ def subscriber_endpoint(publisher: str) -> str:
 class KvEventSubscriber:
     def __init__(self, endpoint: str, pages: G1Pages, topic: str = "") -> None:
         self.pages = pages
-        self.batches = 0
-        self.gaps = 0
         self._decode = msgspec.msgpack.Decoder(KVEventBatch)
         self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -63,7 +61,6 @@ class KvEventSubscriber:
                     continue
                 seq = int.from_bytes(parts[1], "big")
                 if last is not None and seq != last + 1:
-                    self.gaps += 1
                     log.warning("vLLM KV events %d to %d were lost", last + 1, seq - 1)
                 last = seq
                 try:
@@ -76,7 +73,6 @@ class KvEventSubscriber:
             self._socket.close(linger=0)
 
     def apply(self, batch: KVEventBatch) -> None:
-        self.batches += 1
         for event in batch.events:
             if isinstance(event, BlockStored):
                 self.pages.stored(event.block_hashes)

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from itertools import groupby
 from typing import Any
 
+import msgspec
+
 from kvsp.core.container import Container
 from kvsp.core.hints import (
     HintAction,
@@ -62,8 +64,10 @@ from kvsp.tenants import Tenant
 __all__ = ["ConnectorHints", "Planned", "request_hints"]
 
 log = logging.getLogger("kvsp.vllm.hints")
-#: sessions whose blocks are remembered for session targets, the latest first
+#: sessions whose blocks are remembered for session targets, the latest first, and the blocks
+#: kept per session (the latest ones: a session's requests may name their own session ids)
 _SESSIONS = 4096
+_SESSION_BLOCKS = 4096
 #: how long hints wait for the request's last block to be saved and published
 _SETTLE_S = 2.0
 #: router hint key of Dynamo's vLLM bridge
@@ -77,19 +81,7 @@ def request_hints(
     why it was refused if it does not parse."""
     raw: Any = None
     if native is not None:
-        raw = {
-            "protocol_version": native.protocol_version,
-            "message_id": native.message_id,
-            "actions": [
-                {
-                    "action_id": a.action_id,
-                    "action_type": a.action_type,
-                    "action_version": a.action_version,
-                    "payload": a.payload,
-                }
-                for a in native.actions
-            ],
-        }
+        raw = msgspec.to_builtins(native)  # the same members as ours
     elif params is not None:
         raw = params.get(DYNAMO_KEY)
     if raw is None:
@@ -135,7 +127,7 @@ class ConnectorHints:
         """A request of ``session`` ended with these blocks (its whole context, root first)."""
         key = (tenant.scope_id, session)
         known = self._sessions.pop(key, ())
-        self._sessions[key] = tuple(dict.fromkeys((*known, *blocks)))
+        self._sessions[key] = tuple(dict.fromkeys((*known, *blocks)))[-_SESSION_BLOCKS:]
         while len(self._sessions) > _SESSIONS:
             self._sessions.popitem(last=False)
 
