@@ -21,6 +21,8 @@ class StandIn:
         self.directives: dict[str, list[str]] = {}
         #: answer state changes (wakes, drains) with a 503, as an unreachable instance would
         self.refuse_state = False
+        #: answer resumes this late, as an instance stalled mid-failover would
+        self.resume_delay_s = 0.0
         self.app = Starlette(
             routes=[
                 Route("/kvsp/state", self.state, methods=["PUT"]),
@@ -57,6 +59,7 @@ class StandIn:
 
     async def resume(self, request: Request) -> Response:
         await self._record("resume", request)
+        await asyncio.sleep(self.resume_delay_s)
         return JSONResponse({"resumed": True})
 
     async def reshard(self, request: Request) -> Response:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 from kvsp.auth import Principals
 from kvsp.controller.app import create_app
 from kvsp.controller.service import ControllerConfig, ControllerService
+from kvsp.controller.stores import ControlStore, RedisControlStore
 from kvsp.core.clock import ManualClock
 from kvsp.core.ids import tenant_session
 from kvsp.core.keys import block_keys
@@ -54,7 +56,13 @@ def principals(i1: str, i2: str, i3: str) -> str:
 
 
 class Env:
-    def __init__(self, urls: list[str], stand_ins: list[StandIn]) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        stand_ins: list[StandIn],
+        store: ControlStore | None = None,
+        me: str = "",
+    ) -> None:
         self.urls = urls
         self.stand_ins = dict(zip(urls, stand_ins, strict=True))
         self.clock = ManualClock()
@@ -66,9 +74,10 @@ class Env:
         )
         self.tenant = tenants.get("acme")
         self.service = ControllerService(
-            ControllerConfig(tenants=tenants),
+            ControllerConfig(tenants=tenants, url=me, lease_ms=300),
             self.clock,
             IndexClient(INDEX, "pc", transport=self.index_transport),
+            store=store,
         )
         self.app = create_app(self.service, self.principals)
         self.http: httpx.AsyncClient
@@ -426,6 +435,60 @@ async def test_a_restart_fails_the_old_epochs_sessions_over_at_once(env: Env) ->
         await asyncio.sleep(0.01)
     assert session["epoch"] == 1
     assert len(resumed) == 1
+
+
+async def test_a_failover_its_leader_died_in_is_finished_by_the_next_leader(
+    redis_url: str,
+) -> None:
+    """The leader takes a restart, writes the failed epoch's sessions as pending with the new
+    epoch, moves one and dies while its resume is unanswered: the next leader moves it on."""
+    stand_ins = [StandIn(), StandIn(), StandIn()]
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    stores = [RedisControlStore(redis_url, prefix=prefix) for _ in range(3)]
+    async with contextlib.AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(serving(s.app)) for s in stand_ins]
+        old, new = (Env(urls, stand_ins, stores[n], f"http://pc{n}.test/kvsp/") for n in (0, 1))
+        for e in (old, new):
+            e.http = await stack.enter_async_context(
+                httpx.AsyncClient(base_url=await stack.enter_async_context(serving(e.app)))
+            )
+        await old.service.lead.step()
+        await old.report(0)
+        await old.report(1, queued=3)
+        sid = (await old.place(session=SESSION))["session"]
+        for s in stand_ins:
+            s.resume_delay_s = 2.0
+        assert (await old.report(0, epoch=2, queued=5)).json() == {"state": "active"}
+        stored = {s.session: s for s in (await stores[2].load()).sessions}
+        assert stored[sid].pending  # written with the new epoch, before any move
+        while not any(s.of("resume") for s in stand_ins):
+            await asyncio.sleep(0.01)
+        for task in old.service._tasks:  # dies mid-resume: no renewal, its lease runs out
+            task.cancel()
+        await old.service._later.cancel()
+        for s in stand_ins:
+            s.resume_delay_s = 0.0
+        for _ in range(100):
+            await new.service.lead.step()
+            if new.service.lead.leading():
+                break
+            await asyncio.sleep(0.05)
+        for _ in range(200):
+            doc = (await new.call("GET", f"sessions/{sid}")).json()
+            if doc["epoch"] == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert doc["epoch"] == 2  # moved on from the old leader's move, once
+        assert sum(len(s.of("resume")) for s in stand_ins) == 2
+        for _ in range(100):
+            stored = {s.session: s for s in (await stores[2].load()).sessions}
+            if not stored[sid].pending:
+                break
+            await asyncio.sleep(0.01)
+        assert not stored[sid].pending
+        assert (stored[sid].epoch, stored[sid].instance) == (2, doc["instance"])
+    for store in stores:
+        await store.close()
 
 
 async def test_4_4_a_greedy_session_is_deterministic_only_among_identical_engines(

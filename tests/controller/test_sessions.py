@@ -72,6 +72,22 @@ def test_failover_increments_the_epoch_each_time() -> None:
     assert table.served_by(I2) == []
 
 
+def test_an_orphaned_open_turn_is_pending_until_its_failover_settles() -> None:
+    table = opened()
+    table.open(checkpoint(0, session="00000000-0000-4000-8000-000000000001"), I1).turn_done = True
+    (orphan,) = table.orphan(I1)  # a delivered turn has nothing left to resume
+    assert (orphan.session, orphan.pending) == (SESSION, True)
+    assert table.pending() == [orphan]
+    table.move(SESSION, I2)
+    assert table.pending() == [orphan]  # moved, not yet resumed
+    assert table.settle(SESSION) is orphan
+    assert table.pending() == []
+    assert table.settle("gone") is None
+    table.orphan(I2)
+    table.open(checkpoint(0), I1)  # the next turn is placed afresh
+    assert table.pending() == []
+
+
 def test_a_resume_point_changes_nothing_until_the_move_and_the_store_may_know_more() -> None:
     table = opened()
     table.put_checkpoint(checkpoint(4), I1)

@@ -178,7 +178,7 @@ async def test_load_gives_back_every_kind_of_change(
     hints.gaps_ms = [10, 20]
     hints.outcomes["kv.pin:accepted"] = 2
     outcome = {"map": "m1", "commit": 2, "members": [I1]}
-    other = Session("other", SCOPE_A, COMPAT, I2, 0, checkpoint(0).model_copy())
+    other = Session("other", SCOPE_A, COMPAT, I2, 0, checkpoint(0).model_copy(), pending=True)
     await store.write(
         token,
         [
@@ -199,6 +199,7 @@ async def test_load_gives_back_every_kind_of_change(
     assert instance.status == entry.status
     assert [s.session for s in loaded.sessions] == ["other", SESSION]  # by last use
     assert loaded.sessions[1].max_tokens == 64
+    assert [s.pending for s in loaded.sessions] == [True, False]  # a failover to finish
     (got,) = loaded.hints
     assert (got.instance, got.turn_ended_ms, got.tool_call) == (I1, 1000, True)
     assert got.gaps_ms == [10, 20]

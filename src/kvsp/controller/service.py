@@ -263,22 +263,23 @@ class ControllerService:
             await self._finish_reshard(result)
         await self._fail_over_all(await self._take_failures())
 
-    async def _take_failures(self) -> list[tuple[str, list[tuple[str, int]]]]:
+    async def _take_failures(self, *also: Change) -> list[tuple[str, list[tuple[str, int]]]]:
         """Instances failed (expired, or restarted with a higher epoch) since the last call,
-        each with the sessions it served then and their epochs: taken in one step, so a
+        each with the open turns it served then and their epochs: taken in one step, so a
         session placed on the restarted instance afterwards is never moved away. The
-        failures are written before any session moves."""
-        taken, failed = [], []
+        failures and their sessions, marked pending, are written in one write with ``also``
+        before any session moves: a leader that dies before the moves are over leaves them
+        to the next one (``_elected``)."""
+        taken: list[tuple[str, list[tuple[str, int]]]] = []
+        changes = list(also)
+        now = self.clock.now_ms()
         for instance in self.instances.expire():
             log.warning("instance %s failed (status expired, or restarted)", instance.url)
-            open_turns = [
-                (s.session, s.epoch)
-                for s in self.sessions.served_by(instance.url)
-                if not s.turn_done  # a delivered turn has nothing left to resume
-            ]
-            taken.append((instance.url, open_turns))
-            failed.append(PutInstance(instance))
-        await self._write(*failed)
+            orphans = self.sessions.orphan(instance.url)
+            taken.append((instance.url, [(s.session, s.epoch) for s in orphans]))
+            changes.append(PutInstance(instance))
+            changes.extend(PutSession(s, now) for s in orphans)
+        await self._write(*changes)
         return taken
 
     # -- leading -------------------------------------------------------------------------------
@@ -306,10 +307,15 @@ class ControllerService:
             self.hints.table.restore(snapshot.hints)
         self.reshards.restore(snapshot.maps)
         self._predictions = OrderedDict(snapshot.decisions)
+        failing_over = self.sessions.pending()
         log.warning(
-            "loaded %d instances, %d sessions, %d shard maps",
-            len(snapshot.instances), len(snapshot.sessions), len(snapshot.maps),
+            "loaded %d instances, %d sessions (%d failing over), %d shard maps",
+            len(snapshot.instances), len(snapshot.sessions), len(failing_over), len(snapshot.maps),
         )  # fmt: skip
+        for entry in failing_over:  # the old leader's unfinished failovers: moved on from where
+            # they are (a move it made may not have reached its instance)
+            work = self._fail_over(entry.session, entry.instance, entry.epoch)
+            self._later.run(work, f"failover of session {entry.session}")
         for pending in snapshot.reshards:  # begun by the old leader: finished, or aborted
             result = ReshardResult(
                 pending["map"], pending["version"], bool(pending["commit"]),
@@ -342,8 +348,7 @@ class ControllerService:
         authorize(principal, Role.INSTANCE, holder=status.instance)
         self.lead.check()
         state = self.instances.put_status(status)
-        await self._write(PutInstance(self.instances.get(status.instance)))
-        failures = await self._take_failures()
+        failures = await self._take_failures(PutInstance(self.instances.get(status.instance)))
         if failures:
             self._later.run(self._fail_over_all(failures), "failover after a restart")
         if self.forwarder is not None:
@@ -750,9 +755,11 @@ class ControllerService:
             if (entry.instance, entry.epoch) != (failed, epoch):
                 return  # moved or resumed already
             moved: tuple[str, SessionCheckpoint] | None = None
+            elsewhere = False  # the store has it where this table did not look
             while (target := await self._resumer(entry, refused)) is not None:
                 resumed = await self._move(entry, failed, epoch, target)
                 if resumed is None:
+                    elsewhere = True
                     break
                 moved = target, resumed
                 try:
@@ -768,6 +775,9 @@ class ControllerService:
                 break
             if moved is not None:
                 self.sessions.move(session, *moved)
+            settled = None if elsewhere else self.sessions.settle(session)
+            if settled is not None:  # over: resumed, or nowhere to resume it
+                await self._write(PutSession(settled, self.clock.now_ms()))
 
     async def _move(
         self, entry: Session, failed: str, epoch: int, target: str

@@ -81,6 +81,9 @@ class Session:
     #: the engine identity of the instance serving it: a deterministic session resumes only
     #: on an instance with the same one (KVSP 4.4)
     engine: str | None = None
+    #: its instance failed and its failover is not finished: kept in the store, so a leader
+    #: that dies mid-failover leaves the next one to finish it (decision 0019)
+    pending: bool = False
 
     @property
     def acknowledged(self) -> int:
@@ -150,6 +153,7 @@ class SessionTable:
             known.engine = engine
             known.max_tokens = max_tokens
             known.turn_done = False
+            known.pending = False  # a new turn, placed afresh: nothing of the last to resume
             known.checkpoint = first.model_copy(update={"epoch": known.epoch})
             self._sessions.move_to_end(first.session)
             return known
@@ -219,6 +223,25 @@ class SessionTable:
     def served_by(self, instance: str) -> list[Session]:
         url = canonical_url(instance)
         return [s for s in self._sessions.values() if s.instance == url]
+
+    def orphan(self, instance: str) -> list[Session]:
+        """The open turns of ``instance`` (failed or restarted), marked pending until their
+        failover is over (a delivered turn has nothing left to resume)."""
+        orphans = [s for s in self.served_by(instance) if not s.turn_done]
+        for entry in orphans:
+            entry.pending = True
+        return orphans
+
+    def pending(self) -> list[Session]:
+        """Sessions whose failover a leader began and did not finish."""
+        return [s for s in self._sessions.values() if s.pending]
+
+    def settle(self, session: str) -> Session | None:
+        """The failover of ``session`` is over (resumed, or nowhere to go); None if gone."""
+        entry = self._sessions.get(session)
+        if entry is not None:
+            entry.pending = False
+        return entry
 
     def resume_point(
         self, session: str, epoch: int, latest: SessionCheckpoint | None = None

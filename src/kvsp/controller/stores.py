@@ -239,6 +239,7 @@ def _session_fields(entry: Session) -> dict[str, str | int]:
         "max_tokens": entry.max_tokens,
         "turn_done": entry.turn_done,
         "engine": entry.engine,
+        "pending": entry.pending,
     }
     return {
         "epoch": entry.epoch,
@@ -265,6 +266,7 @@ def _session_of(name: str, fields: dict[bytes, bytes]) -> Session:
         max_tokens=meta["max_tokens"],
         turn_done=bool(meta["turn_done"]),
         engine=meta["engine"],
+        pending=bool(meta.get("pending", False)),
     )
 
 
