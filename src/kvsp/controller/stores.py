@@ -18,7 +18,7 @@ is the prefix, ``kvsp:pc:`` by default):
 - ``{p}{s:<scope>}:fence``: the fencing token, copied into the scope's slot by each new leader
   before it reads anything; ``:sessions`` (sorted set, score the last use in ms: the tenant's
   sessions index); ``:session:<id>`` (hash: ``epoch``, ``instance``, ``offset``, ``checkpoint``,
-  ``failovers``, ``meta``, ``hints``).
+  ``failovers``, ``meta`` (with ``pending``: a failover a new leader finishes), ``hints``).
 
 Every write is a script that first compares the slot's fencing token with the writer's: a
 controller that lost the lease (a newer token exists) changes nothing and steps down. A
