@@ -59,6 +59,7 @@ from kvsp.controller.stores import (
     PutHints,
     PutInstance,
     PutMap,
+    PutPending,
     PutReshard,
     PutSession,
     open_control_store,
@@ -272,13 +273,12 @@ class ControllerService:
         to the next one (``_elected``)."""
         taken: list[tuple[str, list[tuple[str, int]]]] = []
         changes = list(also)
-        now = self.clock.now_ms()
         for instance in self.instances.expire():
             log.warning("instance %s failed (status expired, or restarted)", instance.url)
             orphans = self.sessions.orphan(instance.url)
             taken.append((instance.url, [(s.session, s.epoch) for s in orphans]))
             changes.append(PutInstance(instance))
-            changes.extend(PutSession(s, now) for s in orphans)
+            changes.extend(PutPending(s) for s in orphans)
         await self._write(*changes)
         return taken
 
@@ -777,7 +777,7 @@ class ControllerService:
                 self.sessions.move(session, *moved)
             settled = None if elsewhere else self.sessions.settle(session)
             if settled is not None:  # over: resumed, or nowhere to resume it
-                await self._write(PutSession(settled, self.clock.now_ms()))
+                await self._write(PutPending(settled))
 
     async def _move(
         self, entry: Session, failed: str, epoch: int, target: str

@@ -18,7 +18,7 @@ is the prefix, ``kvsp:pc:`` by default):
 - ``{p}{s:<scope>}:fence``: the fencing token, copied into the scope's slot by each new leader
   before it reads anything; ``:sessions`` (sorted set, score the last use in ms: the tenant's
   sessions index); ``:session:<id>`` (hash: ``epoch``, ``instance``, ``offset``, ``checkpoint``,
-  ``failovers``, ``meta`` (with ``pending``: a failover a new leader finishes), ``hints``).
+  ``failovers``, ``meta``, ``pending`` (1: a failover a new leader finishes), ``hints``).
 
 Every write is a script that first compares the slot's fencing token with the writer's: a
 controller that lost the lease (a newer token exists) changes nothing and steps down. A
@@ -64,6 +64,7 @@ __all__ = [
     "PutHints",
     "PutInstance",
     "PutMap",
+    "PutPending",
     "PutReshard",
     "PutSession",
     "RedisControlStore",
@@ -81,6 +82,13 @@ class PutInstance:
 class PutSession:
     session: Session
     last_use_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class PutPending:
+    """Only a session's ``pending`` mark: written beside checkpoints, never over them."""
+
+    session: Session
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +131,7 @@ class DropDecision:
 Change = (
     PutInstance
     | PutSession
+    | PutPending
     | PutHints
     | DropSession
     | PutMap
@@ -239,7 +248,6 @@ def _session_fields(entry: Session) -> dict[str, str | int]:
         "max_tokens": entry.max_tokens,
         "turn_done": entry.turn_done,
         "engine": entry.engine,
-        "pending": entry.pending,
     }
     return {
         "epoch": entry.epoch,
@@ -248,6 +256,7 @@ def _session_fields(entry: Session) -> dict[str, str | int]:
         "checkpoint": entry.checkpoint.model_dump_json(),
         "failovers": entry.failovers,
         "meta": json.dumps(meta),
+        "pending": int(entry.pending),
     }
 
 
@@ -266,7 +275,7 @@ def _session_of(name: str, fields: dict[bytes, bytes]) -> Session:
         max_tokens=meta["max_tokens"],
         turn_done=bool(meta["turn_done"]),
         engine=meta["engine"],
-        pending=bool(meta.get("pending", False)),
+        pending=fields.get(b"pending") == b"1",
     )
 
 
@@ -511,6 +520,10 @@ class RedisControlStore:
                     op(self._s(s, "fence"), "HSET", self._s(s, f"session:{entry.session}"), *fields)
                     op(self._s(s, "fence"), "ZADD", self._s(s, "sessions"), last_use, entry.session)
                     op(g, "SADD", self._g("scopes"), s)
+                case PutPending(entry):
+                    key = self._s(entry.scope_id, f"session:{entry.session}")
+                    pending = int(entry.pending)
+                    op(self._s(entry.scope_id, "fence"), "HSETXX", key, "pending", pending)
                 case PutHints(scope, hints):
                     key = self._s(scope, f"session:{hints.session}")
                     op(self._s(scope, "fence"), "HSETXX", key, "hints", _hints_json(hints))
