@@ -312,8 +312,9 @@ class ControllerService:
             "loaded %d instances, %d sessions (%d failing over), %d shard maps",
             len(snapshot.instances), len(snapshot.sessions), len(failing_over), len(snapshot.maps),
         )  # fmt: skip
-        for entry in failing_over:  # the old leader's unfinished failovers: moved on from where
-            # they are (a move it made may not have reached its instance)
+        # the old leader's unfinished failovers move on from where the store has them (a move
+        # it made may not have reached its instance)
+        for entry in failing_over:
             work = self._fail_over(entry.session, entry.instance, entry.epoch)
             self._later.run(work, f"failover of session {entry.session}")
         for pending in snapshot.reshards:  # begun by the old leader: finished, or aborted
