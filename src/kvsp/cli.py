@@ -629,6 +629,30 @@ def instance_serve_command(
             help="vLLM's connector reads this instance's own holder in process",
         ),
     ] = True,
+    kv_events: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-events",
+            help="publish vLLM-format KV events on this ZMQ endpoint (tcp://127.0.0.1:5557)",
+        ),
+    ] = None,
+    kv_events_replay: Annotated[
+        str | None,
+        typer.Option("--kv-events-replay", help="the ZMQ ROUTER endpoint for replays"),
+    ] = None,
+    kv_events_topic: Annotated[
+        str, typer.Option("--kv-events-topic", help="topic prefix (the epoch follows)")
+    ] = "kvsp.",
+    kv_events_buffer: Annotated[
+        int, typer.Option("--kv-events-buffer", min=1, help="batches kept for replay")
+    ] = 10_000,
+    kv_events_heartbeat_s: Annotated[
+        float, typer.Option("--kv-events-heartbeat-s", min=0, help="idle heartbeat (0: none)")
+    ] = 1.0,
+    kv_events_curve_key_file: Annotated[
+        Path | None,
+        typer.Option("--kv-events-curve-key-file", help="Z85 CURVE server secret key"),
+    ] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
     http_limit: HttpLimits = None,
 ) -> None:
@@ -639,9 +663,20 @@ def instance_serve_command(
     from kvsp.instance.config import InstanceConfig
     from kvsp.instance.hints import HintLimits
     from kvsp.instance.service import InstanceService
+    from kvsp.kvevents.publisher import PublisherConfig
     from kvsp.model import installed, system_prefix
     from kvsp.tenants import Tenants
 
+    events = None
+    if kv_events is not None:
+        events = PublisherConfig(
+            endpoint=kv_events,
+            replay_endpoint=kv_events_replay,
+            topic=kv_events_topic,
+            buffer_batches=kv_events_buffer,
+            heartbeat_s=kv_events_heartbeat_s,
+            curve_secret_key=_read_token(kv_events_curve_key_file),
+        )
     config = InstanceConfig(
         url=url,
         tenants=Tenants.load(tenants, system_prefix(installed(None, block_tokens))),
@@ -664,6 +699,7 @@ def instance_serve_command(
             pin_session_bytes=parse_octets(pin_session_bytes),
             pin_total_bytes=parse_octets(pin_total_bytes),
         ),
+        kv_events=events,
     )
     principals = _principals(auth, host)
     if engine == "vllm":

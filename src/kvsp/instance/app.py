@@ -204,7 +204,12 @@ def create_app(service: InstanceService, principals: Principals) -> Starlette:
     async def healthz(_: Request) -> Response:
         return json_response(
             json.dumps(
-                {"status": "ok", "state": service.state.value, "epoch": service.epoch}
+                {
+                    "status": "ok",
+                    "state": service.state.value,
+                    "epoch": service.epoch,
+                    "kv_events": service.kv_events_endpoints(),
+                }
             ).encode()
         )
 

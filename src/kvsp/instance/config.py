@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvsp.instance.hints import HintLimits
+from kvsp.kvevents.publisher import PublisherConfig
 from kvsp.tenants import Tenants
 
 __all__ = ["InstanceConfig"]
@@ -49,3 +50,6 @@ class InstanceConfig:
     hint_limits: HintLimits = field(default_factory=HintLimits)
     #: events kept for consumers that fall behind
     events: int = 4096
+    #: vLLM-format KV events over ZMQ (None: not published); the topic is this prefix and
+    #: the epoch the instance started with
+    kv_events: PublisherConfig | None = None

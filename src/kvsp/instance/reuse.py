@@ -135,7 +135,8 @@ class Reuse:
             out += found
             if len(found) < len(part):
                 break
-        self.kv.reused(session.session, blocks[: len(out)])
+        n = len(out)
+        self.kv.reused(session.session, blocks[:n], [session.tokens_of(i, b) for i in range(n)])
         return out
 
     async def _load_remote(self, session: Session, rest: Sequence[BlockId]) -> list[Container]:

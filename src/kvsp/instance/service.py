@@ -35,6 +35,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Coroutine, Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvsp.auth import Principal, Role, authorize
@@ -86,6 +87,8 @@ from kvsp.instance.reuse import Reuse
 from kvsp.instance.session_kv import SessionKv
 from kvsp.instance.sessions import MOVED, Session, TokenEvent
 from kvsp.instance.shards import HeldRange, ShardHoldings
+from kvsp.kvevents.feed import KvEventFeed
+from kvsp.kvevents.publisher import KvEventPublisher, PublishedFeed, PublisherMetrics
 from kvsp.model import ModelFiles, installed
 from kvsp.tasks import Wakeup, cancel_all
 
@@ -144,6 +147,7 @@ class InstanceService:
             in_use=Protected(self.in_use, pins),
         )
         self.peers = HolderClient(config.token)
+        self.kv_events = self._start_kv_events()
         self.kv = SessionKv(
             self.holder,
             self.peers,
@@ -153,7 +157,10 @@ class InstanceService:
             config.session_index,
             config.events,
             engine_g1=self.engine_pages,
+            kv_events=self.kv_events,
         )
+        if self.kv_events is not None:
+            self.kv_events.flush()  # AllBlocksCleared: whatever an earlier process held is gone
         self.holder.observe = self.kv.observe
         #: wakes the readers of ``events_after`` (events come from the loop and the store's
         #: thread)
@@ -208,6 +215,22 @@ class InstanceService:
             self.placement = [("device", (0, g1_layers - 1)), ("host", (g1_layers, g.layers - 1))]
         return self.pages.capacity, self.pages
 
+    def _start_kv_events(self) -> PublishedFeed | None:
+        settings = self.config.kv_events
+        if settings is None:
+            return None
+        topic = f"{settings.topic}{self.epoch}"
+        publisher = KvEventPublisher(replace(settings, topic=topic))
+        self.holder.registry.register(PublisherMetrics(publisher, "kvsp_instance_kv_events"))
+        return PublishedFeed(KvEventFeed(self.block_tokens), publisher)
+
+    def kv_events_endpoints(self) -> dict[str, str | None] | None:
+        """Where the KV events are published and replayed (what an indexer registers)."""
+        if self.kv_events is None:
+            return None
+        p = self.kv_events.publisher
+        return {"endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint, "topic": p.topic}
+
     def kv_utilization(self) -> float:
         """The share of the engine's KV pages in use."""
         return 1 - self.pages.free_pages * self.pages.page_octets / self.pages.capacity
@@ -246,6 +269,8 @@ class InstanceService:
             if client is not None:
                 await client.aclose()
         await self.holder.close()
+        if self.kv_events is not None:
+            self.kv_events.publisher.close()
         self.engine_thread.shutdown()
 
     def running(self) -> int:
@@ -405,6 +430,7 @@ class InstanceService:
             chain,
             self._gate(sampler, 0),
             hints=None if kv_hints is None else (principal, kv_hints),
+            prompt_tokens=tuple(tokens[: cut * b]),
         )
         await self._begin(session, tokens)
         return session
@@ -519,7 +545,8 @@ class InstanceService:
         block = session.block_of(self.compat_id, index)
         if block is not None:
             parent = session.block_of(self.compat_id, index - 1) if index else None
-            self.kv.completed(session.session, block, parent)
+            tokens = session.tokens_of(index, self.block_tokens)
+            self.kv.completed(session.session, block, parent, tokens)
         task = self._spawn(self.reuse.store(session, index, body))
         session.stores.add(task)
         task.add_done_callback(session.stores.discard)

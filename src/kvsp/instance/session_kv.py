@@ -53,6 +53,8 @@ from kvsp.instance.hints import (
 from kvsp.instance.kvpool import BlockRefs
 from kvsp.instance.session_index import SessionPrefixIndex
 from kvsp.instance.share import share_blocks
+from kvsp.kvevents.publisher import PublishedFeed
+from kvsp.kvevents.wire import MEDIUM_OF_TIER
 
 __all__ = ["SessionKv"]
 
@@ -78,6 +80,7 @@ class SessionKv:
         index_sessions: bool,
         events: int = 4096,
         engine_g1: bool = False,
+        kv_events: PublishedFeed | None = None,
     ) -> None:
         self.holder = holder
         self.peers = peers
@@ -88,8 +91,10 @@ class SessionKv:
         )
         self.events = EventLog(holder.clock, events)
         self.local = LocalHints(holder.store, pins, pins.limits, g1_layers)
-        #: local tiers of every block the holder keeps, to report changes only
+        #: the pool's tiers of every block the holder keeps, to report changes only
         self._tiers: dict[BlockId, frozenset[str]] = {}
+        #: vLLM-format KV events for routers and indexers (None: not published)
+        self.kv_events = kv_events
         #: blocks in the engine's own pages (vLLM's G1), when the engine keeps them apart from
         #: the pool; None when G1 is the pool's device tier
         self.engine_g1: set[BlockId] | None = set() if engine_g1 else None
@@ -120,21 +125,44 @@ class SessionKv:
 
     # -- membership and residency --------------------------------------------------------------
 
-    def reused(self, session: str, blocks: Sequence[BlockId]) -> None:
-        """A request of ``session`` reused these chained blocks, from the root on."""
+    def reused(
+        self, session: str, blocks: Sequence[BlockId], tokens: Sequence[Sequence[int] | None]
+    ) -> None:
+        """A request of ``session`` reused these chained blocks, from the root on (``tokens``:
+        each block's, None where the request does not know them)."""
         if not blocks:
             return
+        if self.kv_events is not None:
+            for i, block in enumerate(blocks):
+                self._learn(session, block, blocks[i - 1] if i else None, tokens[i])
+            self.kv_events.flush()
         if self.index is not None:
             self.index.hit(session, blocks, [self._local(b) for b in blocks])
         self.events.append("association", session=session, blocks=[b[2] for b in blocks])
 
-    def completed(self, session: str, block: BlockId, parent: BlockId | None) -> None:
-        """A request of ``session`` completed ``block`` (after ``parent``)."""
+    def completed(
+        self,
+        session: str,
+        block: BlockId,
+        parent: BlockId | None,
+        tokens: Sequence[int] | None = None,
+    ) -> None:
+        """A request of ``session`` completed ``block`` (after ``parent``; ``tokens``: its
+        tokens, where the request knows them)."""
+        if self.kv_events is not None:
+            self._learn(session, block, parent, tokens)
+            self.kv_events.flush()
         if self.index is not None:
             if parent is not None and parent not in self.index:
                 return  # its branch was dropped meanwhile; the block joins on its next hit
             self.index.hit(session, [block], [self._local(block)], parent)
         self.events.append("association", session=session, blocks=[block[2]])
+
+    def _learn(
+        self, session: str, block: BlockId, parent: BlockId | None, tokens: Sequence[int] | None
+    ) -> None:
+        if tokens is not None and self.kv_events is not None:
+            self.kv_events.feed.learn(block, parent, tokens, session)
 
     def observe(self, effects: Sequence[Effect]) -> None:
         """The holder published or withdrew blocks (in order)."""
@@ -143,13 +171,15 @@ class SessionKv:
                 r = effect.record
                 block = (r.compat_id, r.scope_id, r.block_key)
                 before = self._local(block)
-                self._tiers[block] = frozenset(LOCAL[x.tier] for x in r.residency)
+                self._tiers[block] = frozenset(x.tier for x in r.residency)
             else:
                 ref = effect.ref
                 block = (ref.compat_id, ref.scope_id, ref.block_key)
                 before = self._local(block)
                 self._tiers.pop(block, None)
             self._settle(block, before)
+        if self.kv_events is not None:
+            self.kv_events.flush()
 
     def engine_changed(self, changes: Sequence[tuple[BlockId, bool]]) -> None:
         """Blocks entered (True) or left (False) the engine's own pages."""
@@ -163,15 +193,26 @@ class SessionKv:
             else:
                 g1.discard(block)
             self._settle(block, before)
+        if self.kv_events is not None:
+            self.kv_events.flush()
 
     def _local(self, block: BlockId) -> frozenset[str]:
-        """The local tiers holding ``block``: the pool's, and the engine's pages."""
-        tiers = self._tiers.get(block, frozenset())
+        """The local tiers holding ``block`` as the RFC names them: the pool's, and the
+        engine's pages."""
+        tiers = frozenset(LOCAL[t] for t in self._tiers.get(block, ()))
         return tiers | _G1 if self.engine_g1 is not None and block in self.engine_g1 else tiers
+
+    def _media(self, block: BlockId) -> frozenset[str]:
+        """The media holding ``block`` as vLLM's KV events name them."""
+        media = frozenset(MEDIUM_OF_TIER[t] for t in self._tiers.get(block, ()))
+        engine = self.engine_g1 is not None and block in self.engine_g1
+        return media | {MEDIUM_OF_TIER["device"]} if engine else media
 
     def _settle(self, block: BlockId, before: frozenset[str]) -> None:
         """Report a change of ``block``'s local tiers: to the index, and as an event
-        (``eviction`` once the last local copy is gone)."""
+        (``eviction`` once the last local copy is gone); its media to the KV event feed."""
+        if self.kv_events is not None:
+            self.kv_events.feed.resident(block, self._media(block))
         tiers = self._local(block)
         if tiers == before:
             return  # a refresh

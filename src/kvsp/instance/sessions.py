@@ -45,6 +45,9 @@ class Session:
     chain: ScopedChain
     gate: ReleaseGate
     generated: list[int] = field(default_factory=list)
+    #: the tokens of the prompt blocks, where this instance was given them (a resumed
+    #: session's are not): what the KV events of those blocks carry
+    prompt_tokens: tuple[int, ...] = ()
     #: prompt tokens whose KV was reused, by where it came from (g1, g2, remote)
     cached: dict[str, int] = field(default_factory=dict)
     #: blocks this session uses (referenced until it ends), and its pending block stores
@@ -86,6 +89,19 @@ class Session:
         keys = self.chain.keys
         offset = index - len(self.prompt_blocks)
         return keys[offset].hex() if offset < len(keys) else None
+
+    def tokens_of(self, index: int, block_tokens: int) -> tuple[int, ...] | None:
+        """The tokens of block ``index``; None while they are not all in, or not known."""
+        start = (index - len(self.prompt_blocks)) * block_tokens
+        if start < 0:
+            known = self.prompt_tokens[index * block_tokens : (index + 1) * block_tokens]
+        else:  # the chain's: the prompt's tail, then the output
+            tail = len(self.prompt_tail)
+            known = self.prompt_tail[start : start + block_tokens]
+            if len(known) < block_tokens:
+                first = max(start - tail, 0)
+                known += tuple(self.generated[first : first + block_tokens - len(known)])
+        return known if len(known) == block_tokens else None
 
     def block_of(self, compat_id: str, index: int) -> BlockId | None:
         """Block ``index`` of the session, in its scope; None while its tokens are not all in."""

@@ -454,7 +454,8 @@ class VllmInstanceService(InstanceService):
             block = session.block_of(self.compat_id, i)
             if block is not None:  # each block in its scope: a shared prefix's, or the tenant's
                 parent = session.block_of(self.compat_id, i - 1) if i else None
-                self.kv.completed(session.session, block, parent)
+                tokens = session.tokens_of(i, self.block_tokens)
+                self.kv.completed(session.session, block, parent, tokens)
         if count > progress.announced and session.gate.on_block():
             self._spawn(self._checkpoint(session))  # KVSP 6.8: at every completed block
         progress.announced = count

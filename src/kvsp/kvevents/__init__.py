@@ -1,0 +1,1 @@
+"""KV events in vLLM's wire format: what kvsp publishes and what it reads from vLLM pods."""
