@@ -123,7 +123,8 @@ async def test_blocks_are_published_with_their_tokens_parents_and_media(
     assert topics == {f"kvsp.{service.epoch}"}
     first = next(e for e in subscriber.events() if isinstance(e, BlockStored))
     assert first.block_size == 16
-    assert first.extra_keys is not None and first.extra_keys[0] == (session.tenant.scope_id,)
+    assert first.extra_keys is not None
+    assert first.extra_keys[0] == (session.tenant.scope_id,)
     assert first.session_id == session.session
 
     # G1 holds 4 blocks: a second prompt demotes the first one's blocks to G2 (CPU)
@@ -148,7 +149,8 @@ async def test_the_first_batch_clears_and_replay_returns_every_batch_in_order(
 ) -> None:
     service, subscriber = instance
     endpoints = service.kv_events_endpoints()
-    assert endpoints is not None and endpoints["replay_endpoint"] is not None
+    assert endpoints is not None
+    assert endpoints["replay_endpoint"] is not None
     session = await service.generate(CONTROLLER, "acme", PROMPT, GREEDY, 2)
     await released(service, session)
     await asyncio.sleep(0.6)  # heartbeats: empty batches while nothing changes
@@ -161,7 +163,7 @@ async def test_the_first_batch_clears_and_replay_returns_every_batch_in_order(
         replayed = []
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and dealer.poll(2000):
-            _, topic, seq, payload = dealer.recv_multipart()
+            _, _topic, seq, payload = dealer.recv_multipart()
             if int.from_bytes(seq, "big", signed=True) == -1:
                 break
             replayed.append((int.from_bytes(seq, "big"), decode.decode(payload)))
