@@ -98,7 +98,11 @@ class KvEventFeed:
         if block not in self._held:
             self._tokens[block] = self._learned.pop(block, None)
         self._held[block] = media
-        self._published[block] = published - gone
+        if gone:
+            if published - gone:
+                self._published[block] = published - gone
+            else:
+                del self._published[block]
         self._publish(block, media)
 
     def _publish(self, block: BlockId, media: frozenset[str]) -> None:
