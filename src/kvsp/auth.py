@@ -56,6 +56,10 @@ class Role(StrEnum):
     FRONTEND = "frontend"
     #: reads ``GET metrics`` (which names scopes and principals), nothing else
     METRICS = "metrics"
+    #: asks the controller where a prompt's prefix is cached (``POST query``), nothing else
+    ROUTER = "router"
+    #: publishes the records of the vLLM pods it reads KV events from (``kvsp index ingest``)
+    INGEST = "ingest"
     ADMIN = "admin"
 
 

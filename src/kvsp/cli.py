@@ -470,7 +470,7 @@ def controller_serve_command(
     from kvsp.controller.instances import InstancePolicy
     from kvsp.controller.placement import PlacementPolicy
     from kvsp.controller.service import ControllerConfig, ControllerService
-    from kvsp.model import installed, system_prefix
+    from kvsp.model import installed, system_prefix, text_tokenizer
     from kvsp.tenants import Tenants
 
     def tokenize(text: str) -> list[int]:  # the model is needed only for a prefix_system
@@ -502,7 +502,9 @@ def controller_serve_command(
         local = InProcessController(service)
         front = load_frontend(local, config.tenants, files, config.instance_token)
         more, closing = frontend_ops(front, BODY_OCTETS), [front.aclose]
-    _serve(create_app(service, principals, more, closing), host, port, log_level, http_limit)
+    query_text = text_tokenizer(lambda: installed(None, block_tokens))
+    app = create_app(service, principals, more, closing, query_text)
+    _serve(app, host, port, log_level, http_limit)
 
 
 @frontend_app.command("serve")

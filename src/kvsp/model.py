@@ -24,10 +24,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvsp.core.compat import (
     CompatibilityDescriptor,
@@ -105,6 +107,24 @@ class ModelBounds:
             )
         if tokens and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
             raise InvalidInput(f"token ids must be in [0, {self.vocab_size})")
+
+
+def text_tokenizer(files: Callable[[], ModelFiles]) -> Callable[[str], list[int]]:
+    """Token ids of plain text (no chat template), as a completion prompt is tokenized: what a
+    router query that sends text is keyed by. The model's files and tokenizer are loaded on
+    first use, once (a tokenizer is not shared across threads: one call at a time)."""
+    lock = threading.Lock()
+    loaded: list[Any] = []
+
+    def tokenize(text: str) -> list[int]:
+        with lock:
+            if not loaded:
+                from transformers import AutoTokenizer
+
+                loaded.append(AutoTokenizer.from_pretrained(files().weights))
+            return list(loaded[0].encode(text, add_special_tokens=False))
+
+    return tokenize
 
 
 def system_prefix(files: ModelFiles) -> Callable[[str], list[int]]:

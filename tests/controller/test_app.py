@@ -48,6 +48,7 @@ def principals(i1: str, i2: str, i3: str) -> str:
             principal("scraper", ["metrics"]),
             principal("pc", ["controller"], ["*"]),
             principal("h1", ["holder"], [H1]),
+            principal("router", ["router"]),
             principal("i1", ["instance"], [i1]),
             principal("i2", ["instance"], [i2]),
             principal("i3", ["instance"], [i3]),
@@ -87,11 +88,19 @@ class Env:
             k.hex() for k in block_keys(bytes.fromhex(SCOPE_KEY), bytes.fromhex(COMPAT), TOKENS, 16)
         ]  # type: ignore[arg-type]
 
-    async def publish(self, blocks: int, holder: str = H1) -> None:
-        h1 = IndexClient(INDEX, "h1", transport=self.index_transport)
+    async def publish(
+        self, blocks: int, holder: str = H1, token: str = "h1", tier: str = "host"
+    ) -> None:
+        h1 = IndexClient(INDEX, token, transport=self.index_transport)
+        residency = [{"tier": tier, "layers": [0, 1]}]
         records = [
             ReplicaRecord.parse(
-                {**replica(0, holder).to_json(), "block_key": key, "scope_id": self.tenant.scope_id}
+                {
+                    **replica(0, holder).to_json(),
+                    "block_key": key,
+                    "scope_id": self.tenant.scope_id,
+                    "residency": residency,
+                }
             )
             for key in self.keys()[:blocks]
         ]
@@ -513,3 +522,36 @@ async def test_4_4_a_greedy_session_is_deterministic_only_among_identical_engine
     assert moved["instance"] == env.urls[1]  # busier, but the same engine
     resumed_at_other = [r["session"] for r in env.stand_ins[env.urls[2]].of("resume")]
     assert resumed_at_other == [gated["session"]]  # its tokens waited for acks: it may go
+
+
+async def test_the_router_query_answers_each_instances_longest_prefix_per_medium(
+    env: Env,
+) -> None:
+    await env.publish(4)  # the offload holder: host memory
+    await env.publish(3, env.urls[0], "i1", "device")
+    await env.publish(2, env.urls[1], "i2", "host")
+    await env.report(0, links=LINK)
+    await env.report(1, links=LINK)
+    body = {"tenant": "acme", "token_ids": TOKENS}
+    response = await env.call("POST", "query", "router", body)
+    assert response.status_code == 200, response.text
+    doc = response.json()
+    assert (doc["model"], doc["block_tokens"], doc["prompt_tokens"]) == (COMPAT, 16, 80)
+    assert doc["matched_blocks"] == 4
+    i1, i2 = doc["instances"][env.urls[0]], doc["instances"][env.urls[1]]
+    # tokens, cumulative (gpu <= cpu <= disk), as Mooncake's indexer API and Dynamo answer
+    assert {k: i1[k] for k in ("longest_matched", "gpu", "cpu", "disk")} == {
+        "longest_matched": 48, "gpu": 48, "cpu": 48, "disk": 48
+    }  # fmt: skip
+    assert (i2["gpu"], i2["cpu"], i2["disk"], i2["dp"]) == (0, 32, 32, {"0": 0})
+    # and what serving it there would cost: i1 has 3 blocks, loads the 4th from H1
+    assert 0 < i1["fetch_us"] < i2["fetch_us"]
+    assert i1["recompute_us"] == 40_000  # 16 tokens at 400/s
+    assert doc["holders"] == {H1: {"longest_matched": 64, "gpu": 0, "cpu": 64, "disk": 64}}
+    # text needs a tokenizer (this controller has none); a bad body is a problem
+    text = await env.call("POST", "query", "router", {"tenant": "acme", "text": "hello"})
+    assert text.status_code == 400
+    both = await env.call("POST", "query", "router", {**body, "text": "x"})
+    assert both.status_code == 400
+    # only the router role may ask
+    assert (await env.call("POST", "query", "op", body)).status_code == 403

@@ -3,19 +3,21 @@ health and metrics (routes in docs/api.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Self
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
 from kvsp.auth import Principals, Role
 from kvsp.controller.service import OPERATOR_ROLES, ControllerService
+from kvsp.core.problems import InvalidInput
 from kvsp.core.records import (
     MAX_KEYS_PER_REQUEST,
     Hex32,
@@ -38,7 +40,14 @@ from kvsp.web.server import (
     read_json_body,
 )
 
-__all__ = ["InstanceStateChange", "PlaceRequest", "ReshardRequest", "TtftReport", "create_app"]
+__all__ = [
+    "InstanceStateChange",
+    "PlaceRequest",
+    "ReshardRequest",
+    "RouterQuery",
+    "TtftReport",
+    "create_app",
+]
 
 log = logging.getLogger("kvsp.controller")
 BODY_OCTETS = 16 << 20
@@ -53,6 +62,28 @@ class PlaceRequest(Record):
     request_ref: Annotated[StrictStr, Field(max_length=256)] | None = None
     wait_prefetch: StrictBool = False
     max_tokens: Annotated[StrictInt, Field(ge=1, le=1 << 16)] | None = None
+
+
+_MAX_PROMPT = MAX_KEYS_PER_REQUEST * 16
+
+
+class RouterQuery(Record):
+    """Where a prompt's prefix is cached: Mooncake's indexer query (its field names), with the
+    tenant whose scope the prompt is in. ``model`` is the Compatibility ID (may be left out
+    when the tenant has one); exactly one of ``token_ids`` and ``text``."""
+
+    tenant: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+    model: Hex32 | None = None
+    token_ids: Annotated[tuple[TokenId, ...], Field(max_length=_MAX_PROMPT)] | None = None
+    text: Annotated[StrictStr, Field(max_length=1 << 20)] | None = None
+    #: kvsp's caches carry no adapter apart from the Compatibility ID's: null only
+    lora_name: None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> Self:
+        if (self.token_ids is None) == (self.text is None):
+            raise ValueError("give exactly one of token_ids and text")
+        return self
 
 
 class TurnEnd(Record):
@@ -86,9 +117,11 @@ def create_app(
     principals: Principals,
     more: Sequence[Op] = (),
     closing: Sequence[Callable[[], Awaitable[None]]] = (),
+    tokenize: Callable[[str], list[int]] | None = None,
 ) -> Starlette:
     """The controller's routes, and ``more`` served beside them (the OpenAI-compatible front
-    end), whose ``closing`` steps run before the service closes."""
+    end), whose ``closing`` steps run before the service closes; ``tokenize`` turns a router
+    query's text into token ids (None: queries must send token ids)."""
 
     async def close() -> None:
         for step in closing:
@@ -170,6 +203,16 @@ def create_app(
         )
         return _json(placement.to_json())
 
+    async def query(request: Request) -> Response:
+        principal = principal_of(request.scope)
+        parsed = RouterQuery.parse(await body(request))
+        tokens: Sequence[int] | None = parsed.token_ids
+        if tokens is None:
+            if tokenize is None:
+                raise InvalidInput("this controller has no tokenizer: send token_ids")
+            tokens = await asyncio.to_thread(tokenize, parsed.text or "")
+        return _json(await service.query_prefix(principal, parsed.tenant, parsed.model, tokens))
+
     async def ttft(request: Request) -> Response:
         principal = principal_of(request.scope)
         parsed = TtftReport.parse(await body(request))
@@ -241,6 +284,10 @@ def create_app(
                                                        state={"type": "string"})}),
         Op("POST", "place", place, "place a request (KVSP 6.4)", operator, "the tenant's scope",
            PlaceRequest, {200: {"type": "object"}}),
+        Op("POST", "query", query, "where a prompt's prefix is cached (the router query)",
+           (Role.ROUTER,), "the tenant's scope", RouterQuery,
+           {200: obj(["instances", "holders"], instances={"type": "object"},
+                     holders={"type": "object"})}),
         Op("PUT", "decisions/{decision}/ttft", ttft, "a placed request's measured TTFT",
            operator, body=TtftReport, answers={200: obj(["predicted_us", "measured_us"],
                                                         predicted_us={"type": "number"},

@@ -34,6 +34,7 @@ from kvsp.controller.hints import (
 from kvsp.controller.instances import InstancePolicy, InstanceTable
 from kvsp.controller.leadership import Leadership
 from kvsp.controller.metrics import ControllerMetrics
+from kvsp.controller.overlap import prefix_report
 from kvsp.controller.placement import (
     Decision,
     Outcome,
@@ -66,7 +67,7 @@ from kvsp.controller.stores import (
 )
 from kvsp.core.clock import Clock, SystemClock
 from kvsp.core.ids import tenant_session
-from kvsp.core.problems import KvspError, NotFound, NotLeader, RecordError
+from kvsp.core.problems import InvalidInput, KvspError, NotFound, NotLeader, RecordError
 from kvsp.core.records import (
     InstanceState,
     InstanceStatusRecord,
@@ -441,6 +442,44 @@ class ControllerService:
             matched=sum(a.matched for a in answers),
             replicas=tuple(r for a in answers for r in a.replicas),
         )
+
+    async def query_prefix(
+        self,
+        principal: Principal,
+        tenant_name: str,
+        compat_id: str | None,
+        tokens: Sequence[int],
+    ) -> dict[str, Any]:
+        """Where the prompt's prefix is cached, per instance and medium, with the cost of
+        serving it at each active instance: the router query (``controller/overlap.py``)."""
+        authorize(principal, (Role.ROUTER,))
+        self.lead.check()
+        tenant = self.config.tenants.for_principal(principal, tenant_name)
+        if compat_id is None:
+            if len(tenant.compat_ids) != 1:
+                raise InvalidInput(f"tenant {tenant.name} has several models: name one")
+            (compat_id,) = tenant.compat_ids
+        tenant.check_compat(compat_id)
+        b = self.config.block_tokens
+        chain = tenant.chain(compat_id, b)
+        keys = await _block_keys(chain, tokens, b)
+        shared = None if chain.shared is None else chain.shared.scope_id
+        request = PlacementRequest(
+            tenant.scope_id, compat_id, keys, len(tokens), b, shared, chain.shared_count
+        )
+        active = [i.status for i in self.instances.active()]
+        lookup = await self._lookup(request, [s.instance for s in active])
+        report = prefix_report(
+            lookup.replicas, active, b, len(tokens), self.config.placement.mean_service_us
+        )
+        return {
+            "model": compat_id,
+            "tenant": tenant.name,
+            "block_tokens": b,
+            "prompt_tokens": len(tokens),
+            "matched_blocks": lookup.matched,
+            **report,
+        }
 
     async def place(
         self,
