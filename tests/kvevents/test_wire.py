@@ -16,21 +16,21 @@ hashes = st.integers(0, (1 << 64) - 1)
 tokens = st.lists(st.integers(0, (1 << 32) - 1), min_size=1, max_size=64)
 media = st.sampled_from(["GPU", "CPU", "STORAGE", None])
 optional_text = st.none() | st.text(max_size=8)
-stored = st.builds(
-    lambda h, p, t, m, s, salt, sid: (
-        dict(block_hashes=h, parent_block_hash=p, token_ids=t, block_size=16, lora_id=None,
-             medium=m, lora_name=None, extra_keys=salt, session_id=sid)
-    ),  # fmt: skip
-    st.lists(hashes, min_size=1, max_size=4),
-    st.none() | hashes,
-    tokens,
-    media,
-    st.none() | st.just(None),
-    st.none() | st.just([("a-scope",)]),
-    optional_text,
+stored = st.fixed_dictionaries(
+    {
+        "block_hashes": st.lists(hashes, min_size=1, max_size=4),
+        "parent_block_hash": st.none() | hashes,
+        "token_ids": tokens,
+        "block_size": st.just(16),
+        "lora_id": st.none(),
+        "medium": media,
+        "lora_name": st.none(),
+        "extra_keys": st.none() | st.just([("a-scope",)]),
+        "session_id": optional_text,
+    }
 )
-removed = st.builds(
-    lambda h, m: dict(block_hashes=h, medium=m), st.lists(hashes, min_size=1, max_size=4), media
+removed = st.fixed_dictionaries(
+    {"block_hashes": st.lists(hashes, min_size=1, max_size=4), "medium": media}
 )
 events = st.lists(
     st.one_of(
