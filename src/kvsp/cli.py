@@ -6,6 +6,7 @@ status 2, whether click rejected the arguments or kvsp rejected the data.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import re
@@ -345,6 +346,37 @@ def index_serve_command(
     service = IndexService(replica_store, max_layers=max_layers, descriptors=known)
     app = create_app(service, principals, parse_octets(max_body_bytes))
     _serve(app, host, port, log_level, http_limit)
+
+
+@index_app.command("ingest")
+def index_ingest_command(
+    pods: Annotated[Path, typer.Option("--pods", help="pods file (TOML): the vLLM pods to read")],
+    tenants: Annotated[Path, typer.Option("--tenants", help="tenants file (TOML, secret)")],
+    index: Annotated[str, typer.Option("--index", help="Index Service base URL")],
+    token_file: Annotated[
+        Path | None, typer.Option("--token-file", help="an ingest principal's bearer token")
+    ] = None,
+    block_tokens: Annotated[int, typer.Option("--block-tokens", min=1)] = 16,
+    log_level: Annotated[str, typer.Option("--log-level")] = "info",
+) -> None:
+    """Read the KV events of plain vLLM pods into the IS: each pod's blocks as kvsp Block Keys
+    of its tenants' scopes, held at the pod (docs/operations.md)."""
+    import asyncio
+    import logging
+
+    from kvsp.kvevents.ingest import ingest, load_pods
+    from kvsp.model import installed, system_prefix
+    from kvsp.tenants import Tenants
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    files = installed(None, block_tokens)
+    known = Tenants.load(tenants, system_prefix(files))
+    descriptor = files.descriptor
+    endpoints = load_pods(
+        pods, known, files.compat_id.hex(), block_tokens, descriptor.geometry.layers
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(ingest(endpoints, index, _read_token(token_file)))
 
 
 def _descriptors(path: Path) -> list[CompatibilityDescriptor]:

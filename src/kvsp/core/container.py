@@ -36,7 +36,7 @@ from kvsp.core.problems import (
     DigestError,
     LayerRangeError,
 )
-from kvsp.core.registries import CODEC_RAW, CODECS, ElementType
+from kvsp.core.registries import CODEC_RAW, CODECS, SERVED_CODECS, ElementType
 from kvsp.core.sha256 import RangeHasher, sha256_ranges
 
 __all__ = [
@@ -165,8 +165,9 @@ class ContainerHeader:
 
     def check(self, geometry: Geometry | None = None) -> None:
         """Consistency of counts and lengths; with a geometry, exact raw section sizes."""
-        if self.codec not in CODECS:
-            raise ContainerHeaderError(f"codec {self.codec:#06x} is not registered")
+        if self.codec not in SERVED_CODECS:
+            known = "names no container" if self.codec in CODECS else "is not registered"
+            raise ContainerHeaderError(f"codec {self.codec:#06x} {known}")
         if not self.lengths:
             raise ContainerHeaderError("layer count must be at least 1")
         if self.token_count < 1:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from kvsp.core.container import FIXED_HEADER_OCTETS
 from kvsp.core.records import InstanceStatusRecord, Link, ReplicaRecord
+from kvsp.core.registries import SERVED_CODECS
 from kvsp.core.urls import canonical_url
 
 __all__ = [
@@ -98,7 +99,9 @@ class ReplicaSummary:
             spans=tuple(
                 TierSpan(r.layers[0], r.layers[1], r.read_mbit_per_s) for r in record.residency
             ),
-            complete=record.holds_layers(0, layers - 1),
+            # a source must hold every layer in a codec holders serve (an engine's own pages
+            # count only at that engine: the ``holder == here`` case of ``plan_fetch``)
+            complete=record.codec in SERVED_CODECS and record.holds_layers(0, layers - 1),
         )
 
 

@@ -21,6 +21,7 @@ from kvsp.core.problems import DescriptorError
 __all__ = [
     "BLOCK_MEDIA_TYPE",
     "CODECS",
+    "CODEC_ENGINE_PAGES",
     "CODEC_RAW",
     "ELEMENT_TYPES",
     "JSON_MEDIA_TYPE",
@@ -28,6 +29,7 @@ __all__ = [
     "LAYOUT_1",
     "POSITIONAL_ENCODINGS",
     "PROBLEM_MEDIA_TYPE",
+    "SERVED_CODECS",
     "TIERS",
     "Codec",
     "ElementType",
@@ -120,8 +122,19 @@ class Codec:
 
 
 CODEC_RAW = 0x0001
+#: a block held in an engine's own KV pages and not served over KVSP (a vLLM pod whose KV
+#: events ``kvsp index ingest`` reads): its record says where a prefix is cached, for placement,
+#: and names no representation anyone can fetch (docs/decisions/0001)
+CODEC_ENGINE_PAGES = 0x8000
 LAYOUT_1 = "kvsp-layout-1"
-CODECS: Mapping[int, Codec] = MappingProxyType({CODEC_RAW: Codec(CODEC_RAW, "raw", LAYOUT_1)})
+CODECS: Mapping[int, Codec] = MappingProxyType(
+    {
+        CODEC_RAW: Codec(CODEC_RAW, "raw", LAYOUT_1),
+        CODEC_ENGINE_PAGES: Codec(CODEC_ENGINE_PAGES, "engine-pages", None),
+    }
+)
+#: the codecs a container can be in: what holders store and serve
+SERVED_CODECS: frozenset[int] = frozenset({CODEC_RAW})
 LAYOUTS: frozenset[str] = frozenset({LAYOUT_1})
 
 #: Storage tiers of a Replica Record's residency, fastest first.

@@ -25,7 +25,7 @@ from kvsp.core.digests import repr_digest
 from kvsp.core.ids import parse_block_key, parse_compat_id, parse_scope_id
 from kvsp.core.problems import InvalidInput, PreconditionRequired
 from kvsp.core.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord
-from kvsp.core.registries import BLOCK_MEDIA_TYPE, CODECS
+from kvsp.core.registries import BLOCK_MEDIA_TYPE, SERVED_CODECS
 from kvsp.core.validation import decimal
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.service import HolderService
@@ -72,7 +72,7 @@ def parse_block_query(query: bytes) -> tuple[int, int] | None:
         raise InvalidInput("a block GET takes at most one layers=a-b and one codec=n")
     if "codec" in params:
         codec = params["codec"][0]
-        if decimal(codec) not in CODECS:
+        if decimal(codec) not in SERVED_CODECS:
             raise InvalidInput(f"codec={codec} is not a registered codec number")
     if "layers" not in params:
         return None

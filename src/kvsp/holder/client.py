@@ -39,7 +39,7 @@ from kvsp.core.problems import (
     ServiceUnavailable,
 )
 from kvsp.core.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord
-from kvsp.core.registries import BLOCK_MEDIA_TYPE, JSON_MEDIA_TYPE
+from kvsp.core.registries import BLOCK_MEDIA_TYPE, JSON_MEDIA_TYPE, SERVED_CODECS
 from kvsp.core.urls import canonical_url
 from kvsp.holder.blocks import MAX_BLOCK_OCTETS, BlockId, block_ref
 from kvsp.web.client import ClosingClient, auth_headers, problem_for
@@ -84,9 +84,12 @@ MOQT_SKIPS = MoqtSkips()
 
 
 def fetchable(records: Sequence[ReplicaRecord]) -> list[ReplicaRecord]:
-    """The replicas a kvsp client can fetch: those of http(s) holders (see ``MoqtSkips``)."""
+    """The replicas a kvsp client can fetch: those of http(s) holders (see ``MoqtSkips``) in a
+    codec holders serve (an engine's own pages are not served over KVSP)."""
     out = []
     for record in records:
+        if record.codec not in SERVED_CODECS:
+            continue
         if record.moqt_namespace is None:
             out.append(record)
         else:
