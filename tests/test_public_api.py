@@ -32,6 +32,7 @@ FORBIDDEN_IN_CORE = {
     "redis",
     "torch",
     "socket",
+    "zmq",
 }
 
 
@@ -100,6 +101,10 @@ STATE_MODULES = [
     PACKAGE / "controller" / "placement.py",
     PACKAGE / "controller" / "sessions.py",
     PACKAGE / "controller" / "reshard.py",
+    PACKAGE / "controller" / "overlap.py",
+    PACKAGE / "kvevents" / "wire.py",
+    PACKAGE / "kvevents" / "feed.py",
+    PACKAGE / "kvevents" / "pods.py",
     PACKAGE / "instance" / "hints.py",
     PACKAGE / "instance" / "kvpool.py",
     PACKAGE / "instance" / "links.py",
@@ -126,7 +131,9 @@ def test_core_is_sans_io(path: Path) -> None:
 
 
 #: what a pure module may not pull in, however indirectly (the event loop, HTTP, the engines)
-FRAMEWORKS = ("asyncio", "httpx", "starlette", "uvicorn", "fastapi", "redis", "torch", "vllm")
+FRAMEWORKS = (
+    "asyncio", "httpx", "starlette", "uvicorn", "fastapi", "redis", "torch", "vllm", "zmq"
+)  # fmt: skip
 PURE_MODULES = sorted(
     {_module_name(p) for p in [*CORE.glob("*.py"), *STATE_MODULES]}
     | {"kvsp.auth", "kvsp.quotas", "kvsp.instance.session_index", "kvsp.controller.hints"}

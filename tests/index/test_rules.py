@@ -43,15 +43,18 @@ def _principal(roles: set[Role], scopes: set[str], holders: set[str]) -> Princip
 @pytest.mark.parametrize("holder_ok", [True, False])
 def test_authorization_matrix(role: Role, scope_ok: bool, holder_ok: bool) -> None:
     principal = _principal({role}, {SCOPE_A if scope_ok else SCOPE_B}, {H1 if holder_ok else H2})
-    may_publish = role in (Role.HOLDER, Role.INSTANCE, Role.ADMIN) and scope_ok and holder_ok
+    may_publish = (
+        role in (Role.HOLDER, Role.INSTANCE, Role.INGEST, Role.ADMIN) and scope_ok and holder_ok
+    )
     for action, subject in ((authorize_publish, replica(0)), (authorize_withdraw, ref(0))):
         if may_publish:
             action(principal, subject)  # type: ignore[operator]
         else:
             with pytest.raises(Forbidden):
                 action(principal, subject)  # type: ignore[operator]
-    # a scraper reads metrics, a front end places with the controller: neither looks up
-    if scope_ok and role not in (Role.METRICS, Role.FRONTEND):
+    # a scraper reads metrics, a front end places with the controller, a router asks the
+    # controller, an ingest only publishes: none of them looks up
+    if scope_ok and role not in (Role.METRICS, Role.FRONTEND, Role.ROUTER, Role.INGEST):
         authorize_lookup(principal, SCOPE_A)
     else:
         with pytest.raises(Forbidden):
