@@ -674,9 +674,7 @@ def instance_serve_command(
         str | None,
         typer.Option("--kv-events-replay", help="the ZMQ ROUTER endpoint for replays"),
     ] = None,
-    kv_events_topic: Annotated[
-        str, typer.Option("--kv-events-topic", help="topic prefix (the epoch follows)")
-    ] = "kvsp.",
+    kv_events_topic: Annotated[str, typer.Option("--kv-events-topic")] = "",
     kv_events_buffer: Annotated[
         int, typer.Option("--kv-events-buffer", min=1, help="batches kept for replay")
     ] = 10_000,

@@ -73,7 +73,7 @@ async def instance(model_files: ModelFiles) -> AsyncIterator[tuple[InstanceServi
             kv_events=PublisherConfig(
                 endpoint=f"tcp://127.0.0.1:{pub}",
                 replay_endpoint=f"tcp://127.0.0.1:{replay}",
-                topic="kvsp.",
+                topic="kvsp",
                 heartbeat_s=0.2,
             ),
         )
@@ -120,7 +120,9 @@ async def test_blocks_are_published_with_their_tokens_parents_and_media(
     assert [b[1] for b in blocks] == [None, *hashes[:3]]
     assert [b[2] for b in blocks] == [PROMPT[:16], PROMPT[16:], PROMPT[:16], PROMPT[16:]]
     topics = {topic for topic, _, _ in subscriber.drain()}
-    assert topics == {f"kvsp.{service.epoch}"}
+    assert topics == {"kvsp"}
+    # sequence numbers start at the epoch: a restarted instance's are higher than its last
+    assert subscriber.drain()[0][1] >= service.epoch << 20
     first = next(e for e in subscriber.events() if isinstance(e, BlockStored))
     assert first.block_size == 16
     assert first.extra_keys is not None
@@ -170,7 +172,8 @@ async def test_the_first_batch_clears_and_replay_returns_every_batch_in_order(
     finally:
         dealer.close(linger=0)
     seqs = [seq for seq, _ in replayed]
-    assert seqs == list(range(len(seqs)))  # from 0, none missing
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # from the first, none missing
+    assert seqs[0] == service.epoch << 20
     assert isinstance(replayed[0][1].events[0], AllBlocksCleared)
     # what the live subscriber saw is what the buffer replays, batch for batch
     by_seq = dict(replayed)

@@ -29,7 +29,7 @@ from kvsp.index.stores import MemoryReplicaStore
 from kvsp.kvevents.ingest import PodEndpoint, PodStream
 from kvsp.kvevents.pods import PodSource
 from tests.index.factories import COMPAT
-from tests.kvevents.test_pods import ACME, TENANTS, keys_of
+from tests.kvevents.test_pods import ACME, keys_of
 from tests.principals import principal
 from tests.servers import serving
 

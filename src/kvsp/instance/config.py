@@ -50,6 +50,6 @@ class InstanceConfig:
     hint_limits: HintLimits = field(default_factory=HintLimits)
     #: events kept for consumers that fall behind
     events: int = 4096
-    #: vLLM-format KV events over ZMQ (None: not published); the topic is this prefix and
-    #: the epoch the instance started with
+    #: vLLM-format KV events over ZMQ (None: not published); sequence numbers start from the
+    #: epoch (``kvevents.publisher.epoch_seq``)
     kv_events: PublisherConfig | None = None

@@ -88,7 +88,12 @@ from kvsp.instance.session_kv import SessionKv
 from kvsp.instance.sessions import MOVED, Session, TokenEvent
 from kvsp.instance.shards import HeldRange, ShardHoldings
 from kvsp.kvevents.feed import KvEventFeed
-from kvsp.kvevents.publisher import KvEventPublisher, PublishedFeed, PublisherMetrics
+from kvsp.kvevents.publisher import (
+    KvEventPublisher,
+    PublishedFeed,
+    PublisherMetrics,
+    epoch_seq,
+)
 from kvsp.model import ModelFiles, installed
 from kvsp.tasks import Wakeup, cancel_all
 
@@ -219,8 +224,7 @@ class InstanceService:
         settings = self.config.kv_events
         if settings is None:
             return None
-        topic = f"{settings.topic}{self.epoch}"
-        publisher = KvEventPublisher(replace(settings, topic=topic))
+        publisher = KvEventPublisher(replace(settings, first_seq=epoch_seq(self.epoch)))
         self.holder.registry.register(PublisherMetrics(publisher, "kvsp_instance_kv_events"))
         return PublishedFeed(KvEventFeed(self.block_tokens), publisher)
 

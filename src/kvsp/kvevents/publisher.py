@@ -3,8 +3,12 @@ replay from a sequence number, a bounded replay buffer, and an idle heartbeat.
 
 One thread owns both sockets (ZMQ sockets are not thread-safe): ``publish`` only puts the
 events in a bounded queue, so the event loop that produces them never encodes or sends.
-Sequence numbers count every batch from 0, heartbeats included, so a subscriber that misses one
-sees the gap and asks for a replay. When the queue is full, ``publish`` says so (False) and the
+Sequence numbers count every batch, heartbeats included, so a subscriber that misses one sees
+the gap and asks for a replay. An instance starts counting at its epoch shifted left by 20 bits
+(``epoch_seq``): a restarted instance's numbers are higher than any its earlier process sent,
+so a subscriber that kept the old stream sees a gap, asks for a replay and gets the new
+process's first batch, ``AllBlocksCleared``, instead of taking the new numbers for old ones and
+keeping what the dead process held. When the queue is full, ``publish`` says so (False) and the
 caller restates its state (``KvEventFeed.snapshot``, which starts with ``AllBlocksCleared``)
 rather than leave a gap that no replay could fill. The buffer keeps the latest batches up to a
 count and an octet bound; a replay request that is not one 8-octet sequence number is ignored
@@ -29,7 +33,13 @@ from prometheus_client.registry import Collector
 from kvsp.kvevents.feed import KvEventFeed
 from kvsp.kvevents.wire import END_SEQ, EventBatch, KvEvent, encode_batch, seq_octets
 
-__all__ = ["KvEventPublisher", "PublishedFeed", "PublisherConfig", "PublisherMetrics"]
+__all__ = [
+    "KvEventPublisher",
+    "PublishedFeed",
+    "PublisherConfig",
+    "PublisherMetrics",
+    "epoch_seq",
+]
 
 log = logging.getLogger("kvsp.kvevents")
 _POLL_S = 0.05
@@ -42,6 +52,8 @@ class PublisherConfig:
     #: where the ROUTER socket for replays binds (None: no replay)
     replay_endpoint: str | None = "tcp://127.0.0.1:5558"
     topic: str = ""
+    #: the first batch's sequence number (an instance starts at its epoch, shifted: see above)
+    first_seq: int = 0
     #: batches kept for replay, and the octets they may take
     buffer_batches: int = 10_000
     buffer_octets: int = 64 << 20
@@ -56,6 +68,12 @@ class PublisherConfig:
     curve_secret_key: str | None = None
 
 
+def epoch_seq(epoch: int) -> int:
+    """The first sequence number of a publisher started at ``epoch`` (milliseconds): above
+    every number an earlier process could have reached (a million batches per millisecond)."""
+    return epoch << 20
+
+
 class KvEventPublisher:
     def __init__(self, config: PublisherConfig) -> None:
         if config.buffer_batches < 1 or config.queue_batches < 1 or config.buffer_octets < 1:
@@ -66,7 +84,7 @@ class KvEventPublisher:
         self._queue: queue.Queue[list[KvEvent] | None] = queue.Queue(config.queue_batches)
         self._buffer: deque[tuple[int, bytes]] = deque()
         self._buffered_octets = 0
-        self._seq = 0
+        self._seq = config.first_seq
         self.batches = 0
         self.events = 0
         self.refused = 0
