@@ -9,7 +9,13 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvsp-installed
 SRC    := src tests benchmarks
 
-.PHONY: setup system-deps bench-deps demo test lint bench
+.PHONY: setup system-deps consumer-deps bench-deps demo test lint bench
+# NVIDIA Dynamo's KV indexer, a consumer of kvsp's KV events that kvsp's tests check against, in
+# an environment of its own (none of its pins touch kvsp's). Its dependency aisimulate cannot be
+# fetched and nothing used needs it: --no-deps. When the install fails, the test that needs it
+# is skipped and says so.
+DYNAMO := build/peers/dynamo
+DYNAMO_STAMP := $(DYNAMO)/.installed
 
 $(STAMP): pyproject.toml setup.py src/kvsp/index/_keytable.c src/kvsp/core/_sha256.c
 	@command -v cc >/dev/null 2>&1 && python3 -c 'import pathlib, sys, sysconfig; \
@@ -26,6 +32,17 @@ system-deps:
 	@{ command -v redis-server && command -v curl; } >/dev/null 2>&1 || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		  apt-get install -y -qq redis-server curl >/dev/null; }
+	@{ command -v ip && command -v unshare && command -v nsenter; } >/dev/null 2>&1 || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		  apt-get install -y -qq iproute2 util-linux >/dev/null; }
+
+$(DYNAMO_STAMP):
+	python3 -m venv $(DYNAMO)
+	{ $(DYNAMO)/bin/pip install --quiet ai-dynamo-runtime==1.6.1 && \
+	  $(DYNAMO)/bin/pip install --quiet --no-deps ai-dynamo==1.6.1 && touch $@; } || \
+		echo "kvsp: Dynamo's indexer could not be installed; its consumer test is skipped"
+
+consumer-deps: $(DYNAMO_STAMP)
 
 setup: $(STAMP) system-deps
 	$(VENV)/bin/kvsp model install >/dev/null
@@ -38,7 +55,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check $(SRC)
 	$(VENV)/bin/mypy
 
-test: lint
+test: lint consumer-deps
 	$(VENV)/bin/pytest
 
 bench-deps: setup

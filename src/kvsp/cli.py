@@ -627,6 +627,9 @@ def instance_serve_command(
     g2_bytes: Annotated[str, typer.Option("--g2-bytes")] = "1G",
     block_tokens: Annotated[int, typer.Option("--block-tokens", min=1)] = 16,
     status_ttl_ms: Annotated[int, typer.Option("--status-ttl-ms", min=300)] = 3_000,
+    record_ttl_ms: Annotated[
+        int, typer.Option("--record-ttl-ms", min=2, help="TTL of the pool's Replica Records")
+    ] = 600_000,
     max_tokens: Annotated[
         int, typer.Option("--max-tokens", min=1, help="output tokens one request may ask for")
     ] = 256,
@@ -721,6 +724,7 @@ def instance_serve_command(
         token=_read_token(token_file),
         offload_url=offload,
         status_ttl_ms=status_ttl_ms,
+        record_ttl_ms=record_ttl_ms,
         max_tokens=max_tokens,
         prefill_chunk=prefill_chunk,
         threads=threads,

@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import httpx
 
@@ -140,6 +141,15 @@ class LocalCluster:
     shared_system: str | None = None
     #: the Compatibility ID of the model the instances serve
     compat_id: str = ""
+    #: how instances publish vLLM-format KV events: on loopback TCP ports, on IPC sockets in
+    #: the cluster's folder, or not at all
+    kv_events: Literal["tcp", "ipc"] | None = "tcp"
+    #: each instance's KV event endpoints (its PUB socket, its replay socket)
+    kv_event_endpoints: list[tuple[str, str]] = field(default_factory=list)
+    #: the TTL of the instances' records: how long the IS may name blocks of a dead process
+    record_ttl_ms: int = 600_000
+    #: the router's token: ``POST query`` on the controller, nothing else
+    router_token: str = field(default_factory=lambda: secrets.token_hex(24))
 
     @property
     def api_key(self) -> str:
@@ -185,6 +195,7 @@ class LocalCluster:
             self._principal("controller", tokens["controller"], ["controller"], urls, scopes),
             self._principal("holder", tokens["holder"], ["holder"], [holder_url], scopes),
             self._principal("metrics", tokens["metrics"], ["metrics"], [], []),
+            self._principal("router", self.router_token, ["router"], [], scopes),
             self._principal("frontend", tokens["frontend"], ["frontend"], [], scopes),
             *(
                 self._principal(f"instance-{p}", tokens[str(p)], ["instance"], [u], scopes)
@@ -256,8 +267,15 @@ class LocalCluster:
             holder_port, logs / "holder.log",
         )  # fmt: skip
         self.processes = [*state, index, *controllers, holder]
+        self.kv_event_endpoints = [self._kv_events(n) for n in range(self.instances)]
         for n, (port, url) in enumerate(zip(ports, urls, strict=True)):
             token = str(self._write(f"instance-{n}.token", tokens[str(port)]))
+            events = (
+                []
+                if self.kv_events is None
+                else ["--kv-events", self.kv_event_endpoints[n][0],
+                      "--kv-events-replay", self.kv_event_endpoints[n][1]]
+            )  # fmt: skip
             self.processes.append(
                 Process(
                     f"instance-{n}",
@@ -285,6 +303,9 @@ class LocalCluster:
                         self.g2_bytes,
                         "--status-ttl-ms",
                         str(self.status_ttl_ms),
+                        "--record-ttl-ms",
+                        str(self.record_ttl_ms),
+                        *events,
                         "--threads",
                         "1",
                         "--log-level",
@@ -296,6 +317,15 @@ class LocalCluster:
             )
         self.processes += fronts
         self._write("cluster.json", json.dumps(self.describe(), indent=2))
+
+    def _kv_events(self, n: int) -> tuple[str, str]:
+        """Instance ``n``'s KV event endpoints: its PUB socket and its replay socket."""
+        if self.kv_events == "ipc":
+            return (
+                f"ipc://{self.folder}/kv-events-{n}.pub",
+                f"ipc://{self.folder}/kv-events-{n}.replay",
+            )
+        return (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
 
     @staticmethod
     def _principal(
@@ -356,6 +386,13 @@ class LocalCluster:
             "api_keys": self.api_keys,
             "operator_token": self.operator_token,
             "metrics_token": self.metrics_token,
+            "router_token": self.router_token,
+            "kv_events": [
+                {"instance": p.url, "endpoint": e, "replay_endpoint": r}
+                for p, (e, r) in zip(self.instance_processes, self.kv_event_endpoints, strict=True)
+            ]
+            if self.kv_events is not None
+            else [],
             "logs": str(self.folder / "logs"),
         }
 

@@ -151,6 +151,17 @@ def test_exact_eviction_order_lru_with_demotion_then_drop() -> None:
     assert store.stats.demotions == {"host": 3}
 
 
+def test_a_used_chain_loses_its_tail_before_its_head() -> None:
+    store, _, _ = make(host_blocks=3, disk_blocks=0)
+    chain = [put(store, n) for n in (1, 2, 3)]  # stored root first: the root is the oldest
+    store.use(chain)  # a request used them: now the tail is the oldest
+    put(store, 4)
+    assert where(store, 1, 2, 3, 4) == ["host", "host", None, "host"]
+    put(store, 5)
+    assert where(store, 1, 2, 3) == ["host", None, None]  # the prefix that is left is usable
+    store.use([block_id(9), block_id(1)])  # a block no longer held is passed over
+
+
 def test_retain_priority_orders_eviction_until_it_ends() -> None:
     store, _, clock = make(host_blocks=2, disk_blocks=0)
     put(store, 1)

@@ -444,6 +444,15 @@ class BlockStore:
     def _in_tier_order(self, entry: _Block) -> list[tuple[Tier, Span]]:
         return [(t.name, entry.spans[t.name]) for t in self._tiers if t.name in entry.spans]
 
+    def use(self, chain: Sequence[BlockId]) -> None:
+        """A request used these blocks of one chain, root first: each counts as used now, the
+        root last, so that pressure takes a chain's tail before its head (as vLLM frees a
+        request's blocks) and what stays cached is a usable prefix, not the end of one."""
+        for block in reversed(chain):
+            entry = self._blocks.get(block)
+            if entry is not None:
+                self._touch(block, entry)
+
     def _touch(self, block: BlockId, entry: _Block) -> None:
         entry.tick = next(self._ticks)
         for tier in entry.spans:

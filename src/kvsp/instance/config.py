@@ -33,6 +33,9 @@ class InstanceConfig:
     token: str | None = None
     offload_url: str | None = None
     status_ttl_ms: int = 3_000
+    #: the TTL of the pool's Replica Records, refreshed while held: how long the IS may still
+    #: name a block of a process that died
+    record_ttl_ms: int = 600_000
     release_batch: int = 4
     checkpoint_every: int = 64
     max_tokens: int = 256

@@ -61,9 +61,17 @@ class Reuse:
         session.uses.append(block)
 
     async def release(self, session: Session) -> None:
-        """The session ended: every block it used may move or go again."""
+        """The session ended: every block it used may move or go again, its chain's tail
+        before its head (``BlockStore.use``)."""
         uses, session.uses = session.uses, []
-        await self.holder.call(lambda: self.in_use.release(uses))
+        position = {key: i for i, key in enumerate(session.keys())}
+        chain = sorted(uses, key=lambda block: position.get(block[2], len(position)))
+
+        def release() -> None:
+            self.in_use.release(uses)
+            self.holder.store.use(chain)
+
+        await self.holder.call(release)
 
     async def hold(self, session: Session, block: BlockId, body: bytes) -> None:
         """Hold a block in the pool, used by ``session``; with no room left (every block in

@@ -147,6 +147,7 @@ class InstanceService:
                 index_url=config.index_url,
                 index_token=config.token,
                 quotas=config.tenants.quotas,
+                record_ttl_ms=config.record_ttl_ms,
             ),
             device=device,
             in_use=Protected(self.in_use, pins),
@@ -490,7 +491,7 @@ class InstanceService:
         anywhere), recompute the rest (``known``: the tokens after those blocks) and continue."""
         b = self.block_tokens
         # every block key whose tokens are all known, except the block holding the last token
-        keys = list(session.prompt_blocks) + [k.hex() for k in session.chain.keys]
+        keys = session.keys()
         covered_max = (start * b + len(known) - 1) // b
         try:
             blocks = await self.reuse.load(session, keys[:covered_max])

@@ -83,6 +83,10 @@ class Session:
         self.chain.extend([token])
         return self.gate.on_token()
 
+    def keys(self) -> list[str]:
+        """The Block Keys of every complete block, in order."""
+        return [*self.prompt_blocks, *(k.hex() for k in self.chain.keys)]
+
     def key_of(self, index: int) -> str | None:
         if index < len(self.prompt_blocks):
             return self.prompt_blocks[index]
