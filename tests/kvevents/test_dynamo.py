@@ -56,8 +56,9 @@ class DynamoIndexer:
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
         """A request to the indexer, from inside its namespace."""
-        command = ["nsenter", "-t", str(self.process.pid), "-n", "curl", "-sf", "-X", method,
-                   f"http://127.0.0.1:{PORT}/{path}", "-H", "content-type: application/json"]  # fmt: skip
+        url = f"http://127.0.0.1:{PORT}/{path}"
+        command = ["nsenter", "-t", str(self.process.pid), "-n", "curl", "-sf", "-X", method, url,
+                   "-H", "content-type: application/json"]  # fmt: skip
         if body is not None:
             command += ["-d", json.dumps(body)]
         out = subprocess.run(command, check=True, capture_output=True, timeout=30).stdout
