@@ -42,6 +42,9 @@ log = logging.getLogger("kvsp.kvevents.ingest")
 BATCH_RECORDS = 1_000
 FLUSH_CHANGES = 2_000
 REPLAY_TIMEOUT_S = 5.0
+#: batches queued on the SUB socket before ZMQ drops (a gap, then a replay): a burst while
+#: the IS is slow fits, as vLLM's publisher sends up to 100,000 batches ahead by default
+RECEIVE_BATCHES = 100_000
 RETRY_S = 1.0
 
 
@@ -113,6 +116,7 @@ class PodStream:
     async def run(self) -> None:
         sub = self.context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.set_hwm(RECEIVE_BATCHES)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(self.pod.endpoint)
         refresh = asyncio.create_task(self._refresh())

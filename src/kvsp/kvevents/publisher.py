@@ -99,6 +99,8 @@ class KvEventPublisher:
         if config.replay_endpoint is not None:
             self._replay = context.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.MAXMSGSIZE, 64)  # a request is 8 octets
+            # a whole buffer's replay fits in one peer's queue: a ROUTER drops what does not
+            self._replay.set_hwm(config.buffer_batches + 2)
             self.replay_endpoint = self._bind(self._replay, config.replay_endpoint)
         self._thread = threading.Thread(target=self._run, name="kvsp-kv-events", daemon=True)
         self._thread.start()
