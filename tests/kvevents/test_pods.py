@@ -4,8 +4,11 @@ key (unknown parent, unknown salt, an adapter's, a multimodal one) left out."""
 
 from __future__ import annotations
 
+import json
+
 from kvsp.core.ids import BlockKey
 from kvsp.core.keys import block_keys
+from kvsp.core.records import ReplicaRecord
 from kvsp.kvevents.pods import PodChanges, PodIndex, PodSource
 from kvsp.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvsp.tenants import Tenants
@@ -42,7 +45,8 @@ def test_blocks_are_keyed_as_kvsp_keys_them_in_the_tenants_scope() -> None:
     changes = apply(pod, stored([1, 2], None, TOKENS[:32]), stored([3, 4], 2, TOKENS[32:]))
     expected = {(ACME.scope_id, k): frozenset({"device"}) for k in keys_of("acme", TOKENS)}
     assert changes.put == expected
-    record = pod.record((ACME.scope_id, keys_of("acme", TOKENS)[0]), frozenset({"device"}))
+    rendered = pod.record_json((ACME.scope_id, keys_of("acme", TOKENS)[0]), frozenset({"device"}))
+    record = ReplicaRecord.parse(json.loads(rendered))  # what the IS validates
     assert record.holder == "http://pod.test/"
     assert record.codec == 0x8000  # engine-pages: where it is cached, nothing to fetch
     assert [r.tier for r in record.residency] == ["device"]

@@ -38,11 +38,17 @@ class IndexClient(JsonClient):
         await self._send("DELETE", path, params=params)
 
     async def batch(
-        self, put: Sequence[ReplicaRecord] = (), delete: Sequence[ReplicaRef] = ()
+        self,
+        put: Sequence[ReplicaRecord] = (),
+        delete: Sequence[ReplicaRef] = (),
+        rendered: Sequence[bytes] = (),
     ) -> tuple[list[PublishOutcome], list[bool]]:
+        """Publish ``put`` and records ``rendered`` as JSON already (by ``kvsp index ingest``;
+        the IS validates both alike), withdraw ``delete``; outcomes in that order."""
+        records = [r.model_dump_json(exclude_none=True).encode() for r in put]
         body = (
             b'{"put":['
-            + b",".join(r.model_dump_json(exclude_none=True).encode() for r in put)
+            + b",".join([*records, *rendered])
             + b'],"delete":'
             + json.dumps([ref.to_json() for ref in delete]).encode()
             + b"}"

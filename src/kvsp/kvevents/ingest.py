@@ -1,8 +1,8 @@
 """``kvsp index ingest``: the KV event streams of unmodified vLLM pods, read into the IS.
 
 One task per pod reads its ZMQ PUB socket (``PodStream``); ``kvevents/pods.py`` turns each
-batch into record changes, which are written to the IS in batches as soon as the socket has no
-more waiting (or 2,000 changes are pending), and written again before their TTL runs out (a
+batch into record changes, which are written to the IS in batches once the socket has been idle
+for 5 ms (or 2,000 changes are pending), and written again before their TTL runs out (a
 third of it), so a pod whose stream stops is forgotten within one TTL.
 
 Sequence numbers decide what the records can be trusted for. On the first message, and after
@@ -41,6 +41,8 @@ log = logging.getLogger("kvsp.kvevents.ingest")
 #: changes written to the IS in one request at most, and pending before a write
 BATCH_RECORDS = 1_000
 FLUSH_CHANGES = 2_000
+#: a write goes once the socket has had nothing for this long (a burst goes in few writes)
+FLUSH_IDLE_MS = 5
 REPLAY_TIMEOUT_S = 5.0
 #: batches queued on the SUB socket before ZMQ drops (a gap, then a replay): a burst while
 #: the IS is slow fits, as vLLM's publisher sends up to 100,000 batches ahead by default
@@ -124,9 +126,8 @@ class PodStream:
             while True:
                 frames = await sub.recv_multipart()
                 await self._take(frames)
-                if len(self.pending.put) + len(self.pending.delete) >= FLUSH_CHANGES or not (
-                    await sub.poll(0)
-                ):
+                pending = len(self.pending.put) + len(self.pending.delete)
+                if pending >= FLUSH_CHANGES or not await sub.poll(FLUSH_IDLE_MS):
                     await self.flush()
         finally:
             refresh.cancel()
@@ -205,7 +206,7 @@ class PodStream:
     async def flush(self) -> None:
         """Write the pending changes; kept for the next flush when the IS fails."""
         changes, self.pending = self.pending, PodChanges()
-        puts = [self.state.record(block, tiers) for block, tiers in changes.put.items()]
+        puts = [self.state.record_json(block, tiers) for block, tiers in changes.put.items()]
         source = self.pod.source
         deletes = [
             ReplicaRef.model_construct(
@@ -216,7 +217,7 @@ class PodStream:
         try:
             for i in range(0, max(len(puts), len(deletes)), BATCH_RECORDS):
                 part = slice(i, i + BATCH_RECORDS)
-                await self.index.batch(put=puts[part], delete=deletes[part])
+                await self.index.batch(delete=deletes[part], rendered=puts[part])
         except KvspError as exc:
             log.warning("pod %s: records not written (%s); retrying", self.pod.name, exc.detail)
             for block, tiers in changes.put.items():

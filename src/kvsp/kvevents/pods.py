@@ -20,13 +20,14 @@ at most ``max_orphans`` blocks, since vLLM may evict a parent before its child.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvsp.core.ids import BlockKey, CompatId
-from kvsp.core.keys import ROOT_PARENT, BlockKeyChain
-from kvsp.core.records import ReplicaRecord, Residency
+from kvsp.core.ids import BlockKey
+from kvsp.core.keys import BLOCK_DOMAIN, ROOT_PARENT, HmacTemplate, token_octets
+from kvsp.core.problems import KeyMaterialError
 from kvsp.core.registries import CODEC_ENGINE_PAGES, Tier
 from kvsp.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvsp.tenants import Tenant
@@ -81,7 +82,10 @@ class PodIndex:
     def __init__(self, source: PodSource, max_orphans: int = 65_536) -> None:
         self.source = source
         self.max_orphans = max_orphans
-        self._compat = CompatId(bytes.fromhex(source.compat_id))
+        self._domain = BLOCK_DOMAIN + bytes.fromhex(source.compat_id)
+        #: each tenant's keyed HMAC, its key schedule absorbed once (``core.keys``'s chain)
+        self._templates: dict[str, HmacTemplate] = {}
+        self._residency: dict[frozenset[str], str] = {}
         self._held: dict[int | bytes, _Block] = {}
         #: chain states of blocks no longer held, newest last
         self._orphans: OrderedDict[int | bytes, _Block] = OrderedDict()
@@ -137,11 +141,33 @@ class PodIndex:
             tenant, last = chain
             block = self._held.get(vllm_hash) or self._orphans.pop(vllm_hash, None)
             if block is None:
-                link = BlockKeyChain(tenant.scope_key, self._compat, kvsp_b, last)
-                block = _Block(tenant, link.extend(event.token_ids[i * size : (i + 1) * size]))
+                keys = self._keys(tenant, last, event.token_ids[i * size : (i + 1) * size])
+                if keys is None:
+                    changes.skipped += 1
+                    continue
+                block = _Block(tenant, keys)
             self._held[vllm_hash] = block
             block.media.add(tier)
             self._put(block, changes)
+
+    def _keys(self, tenant: Tenant, parent: BlockKey, tokens: list[int]) -> list[BlockKey] | None:
+        """The kvsp Block Keys of one vLLM block's tokens after ``parent`` (None: a token id
+        outside 0..2^32-1), as ``core.keys.BlockKeyChain`` derives them."""
+        template = self._templates.get(tenant.scope_id)
+        if template is None:
+            template = self._templates[tenant.scope_id] = HmacTemplate(
+                tenant.scope_key, self._domain
+            )
+        try:
+            octets = token_octets(tokens)
+        except KeyMaterialError:
+            return None
+        step = 4 * self.source.block_tokens
+        keys = []
+        for start in range(0, len(octets), step):
+            parent = BlockKey(template.digest(parent, octets[start : start + step]))
+            keys.append(parent)
+        return keys
 
     def _removed(self, event: BlockRemoved, changes: PodChanges) -> None:
         tier = _TIER_OF_MEDIUM.get(event.medium or "GPU")
@@ -172,29 +198,29 @@ class PodIndex:
             for key in block.keys:
                 yield (block.tenant.scope_id, key.hex()), tiers
 
-    def record(self, block: tuple[str, str], tiers: frozenset[str]) -> ReplicaRecord:
-        """The Replica Record of one of the pod's blocks."""
+    def record_json(self, block: tuple[str, str], tiers: frozenset[str]) -> bytes:
+        """The Replica Record of one of the pod's blocks, as the IS reads it (rendered here, not
+        through the record model: ingest writes every held record again each third of a TTL).
+        """
         scope, key = block
-        layers = self.source.layers
-        return ReplicaRecord.model_construct(
-            block_key=key,
-            compat_id=self.source.compat_id,
-            scope_id=scope,
-            holder=self.source.url,
-            codec=CODEC_ENGINE_PAGES,
-            size=self.source.block_tokens,
-            # identifies the record; it protects no octets, since none are served
-            digest="sha-256:" + hashlib.sha256(bytes.fromhex(key)).hexdigest(),
-            residency=tuple(_residency(t, layers) for t in _TIERS if t in tiers),
-            ttl_ms=self.source.ttl_ms,
-        )
+        residency = self._residency.get(tiers)
+        if residency is None:
+            last = self.source.layers - 1
+            residency = self._residency[tiers] = json.dumps(
+                [{"tier": t, "layers": [0, last]} for t in _TIERS if t in tiers]
+            )
+        source = self.source
+        # the digest identifies the record; it protects no octets, since none are served
+        digest = hashlib.sha256(bytes.fromhex(key)).hexdigest()
+        return (
+            f'{{"block_key":"{key}","compat_id":"{source.compat_id}","scope_id":"{scope}",'
+            f'"holder":{json.dumps(source.url)},"codec":{CODEC_ENGINE_PAGES},'
+            f'"size":{source.block_tokens},"digest":"sha-256:{digest}",'
+            f'"residency":{residency},"ttl_ms":{source.ttl_ms}}}'
+        ).encode()
 
 
 _TIERS: tuple[Tier, ...] = ("device", "host", "disk")
-
-
-def _residency(tier: Tier, layers: int) -> Residency:
-    return Residency.model_construct(tier=tier, layers=(0, layers - 1))
 
 
 def _salt(extra_keys: Sequence[tuple[object, ...] | None] | None, index: int) -> object:
