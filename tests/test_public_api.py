@@ -113,6 +113,7 @@ STATE_MODULES = [
     PACKAGE / "instance" / "shards.py",
     PACKAGE / "integrations" / "vllm" / "g1.py",
     PACKAGE / "integrations" / "vllm" / "plans.py",
+    PACKAGE / "integrations" / "vllm" / "stored.py",
 ]
 
 

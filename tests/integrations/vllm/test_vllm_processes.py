@@ -429,3 +429,55 @@ async def test_a_stock_vllm_runs_the_hints_its_requests_carry_against_its_pages_
     [leased] = hint_outcomes(log, dynamo)
     assert (leased["outcome"], leased["code"], leased["blocks"]) == ("clipped", "engine-g1", 2)
     assert "kv_hints" not in served["kv_transfer_params"]["kvsp"]
+
+
+async def test_vllms_own_publisher_carries_the_connectors_stores_at_the_holder(
+    cluster: Cluster, model_files: ModelFiles, tmp_path: Path
+) -> None:
+    """Under vLLM with KV events on, ``KVSPConnector.take_events()`` announces each page the
+    connector stored at the holder, through vLLM's own publisher, under vLLM's own page hash:
+    medium CPU, locality REMOTE, ownership kvsp, with the page's tokens and parent."""
+    import threading
+
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    got: list[Any] = []
+    stop = threading.Event()
+
+    def listen() -> None:
+        socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.connect(endpoint)  # before vLLM binds: ZMQ connects once it does
+        decode = msgspec.msgpack.Decoder(KVEventBatch)
+        while not stop.is_set():
+            if socket.poll(100):
+                got.extend(decode.decode(socket.recv_multipart()[2]).events)
+        socket.close(linger=0)
+
+    listener = threading.Thread(target=listen)
+    listener.start()
+    prompts = [LONG, [t + 1 for t in LONG]]  # the second request's steps carry the reports
+    try:
+        await offline(
+            cluster, model_files, prompts, options={"prefix_caching": True, "kv_events": endpoint}
+        )
+    finally:
+        stop.set()
+        listener.join()
+    stored = [e for e in got if isinstance(e, BlockStored)]
+    vllm_pages = {
+        h: e.token_ids[128 * i : 128 * (i + 1)]
+        for e in stored if e.medium == "GPU" for i, h in enumerate(e.block_hashes)
+    }  # fmt: skip
+    at_holder = [e for e in stored if e.ownership == "kvsp"]
+    assert at_holder, "no page announced as stored at the holder"
+    for event in at_holder:
+        assert (event.medium, event.locality, event.block_size) == ("CPU", "REMOTE", 128)
+        (page,) = event.block_hashes
+        assert page in vllm_pages  # vLLM's own hash of the same page
+        assert event.token_ids == vllm_pages[page]
+    first = next(e for e in at_holder if e.parent_block_hash is None)
+    assert first.token_ids == LONG[:128]

@@ -31,7 +31,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -61,6 +61,7 @@ from kvsp.holder.blocks import MAX_BLOCK_OCTETS
 from kvsp.holder.client import HolderClient, fetchable
 from kvsp.holder.store import BlockRead
 from kvsp.index.client import IndexClient
+from kvsp.integrations.vllm.connector_events import HolderStores, stored_events
 from kvsp.integrations.vllm.events import KvEventSubscriber
 from kvsp.integrations.vllm.g1 import G1Pages
 from kvsp.integrations.vllm.hints import ConnectorHints, request_hints
@@ -74,9 +75,12 @@ from kvsp.integrations.vllm.plans import (
     fetch_ranges,
 )
 from kvsp.integrations.vllm.settings import ConnectorSettings
+from kvsp.integrations.vllm.stored import HolderPages
+from kvsp.kvevents.wire import external_hash
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -253,6 +257,8 @@ class KVSPConnector(KVConnectorBase_V1):
         self._requests: dict[str, Request] = {}
         #: the KVSP blocks in vLLM's pages, from vLLM's KV events (when it publishes them)
         self.g1 = G1Pages(4 * max(int(kv_cache_config.num_blocks), 1024))
+        #: pages stored at the holder, announced through vLLM's publisher (``take_events``)
+        self.at_holder = HolderPages(4 * max(int(kv_cache_config.num_blocks), 1024))
         self._events: KvEventSubscriber | None = None
         self._hints: ConnectorHints | None = None
         self._hint_runs: set[Future[Any]] = set()
@@ -272,6 +278,8 @@ class KVSPConnector(KVConnectorBase_V1):
         self._buffers = _BufferPool(_KEPT_BUFFER_OCTETS)
         self._saves: set[Future[None]] = set()
         self._save_lock = threading.Lock()
+        #: hashes of the blocks stored at the holder since the last report to the scheduler
+        self._stored: list[int] = []
         if role == KVConnectorRole.SCHEDULER:
             self._warm()
 
@@ -399,14 +407,23 @@ class KVSPConnector(KVConnectorBase_V1):
         """Tell ``g1`` which KVSP blocks fill each of the request's full pages, by the page hash
         vLLM's events name them with."""
         hashes = request.block_hashes
-        pages = tracked.full_pages(request.all_token_ids, len(hashes), self.page_tokens)
+        tokens = request.all_token_ids
+        pages = tracked.full_pages(tokens, len(hashes), self.page_tokens)
+        n = self.page_tokens
         for page, blocks in pages:
-            self.g1.record(
-                maybe_convert_block_hash(hashes[page]),
-                [(self.compat_hex, scope, key) for scope, key in blocks],
-            )
+            page_hash = maybe_convert_block_hash(hashes[page])
+            self.g1.record(page_hash, [(self.compat_hex, scope, key) for scope, key in blocks])
+            if self.settings.holder_url is not None:
+                parent = maybe_convert_block_hash(hashes[page - 1]) if page else None
+                self.at_holder.record(
+                    page_hash, parent, tokens[page * n : (page + 1) * n],
+                    [external_hash(bytes.fromhex(key)) for _, key in blocks],
+                )  # fmt: skip
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        stores = connector_output.kv_cache_events
+        if isinstance(stores, HolderStores):
+            self.at_holder.stored(stores.aggregate().blocks())
         invalid = connector_output.invalid_block_ids
         if not invalid or self._kv_cache_manager is None:
             return
@@ -414,6 +431,16 @@ class KVSPConnector(KVConnectorBase_V1):
             if tracked.loaded_tokens:
                 (pages,) = self._kv_cache_manager.get_block_ids(request_id)
                 tracked.load_failed(pages, invalid, self.page_tokens)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The pages now wholly stored at the holder (``stored.py``), for vLLM's publisher."""
+        return stored_events(self.at_holder.take(), self.page_tokens)
+
+    def get_kv_connector_kv_cache_events(self) -> HolderStores | None:
+        """The blocks this worker stored at the holder since its last report."""
+        with self._save_lock:
+            stored, self._stored = self._stored, []
+        return HolderStores(stored, self.block_tokens) if stored else None
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -694,9 +721,13 @@ class KVSPConnector(KVConnectorBase_V1):
         try:
             await self._holder_client().put(holder, block, container)
         except AlreadyStored:
-            return
+            pass
         except KvspError as exc:
             log.warning("block %s not saved at %s: %s", block[2][:16], holder, exc)
+            return
+        if holder == self.settings.holder_url:
+            with self._save_lock:
+                self._stored.append(external_hash(bytes.fromhex(block[2])))
 
     def _saved(self, future: Future[None]) -> None:
         with self._save_lock:
