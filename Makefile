@@ -65,7 +65,7 @@ bench-deps: setup
 bench: bench-deps
 	@rm -f .bench.out .bench.line
 	for script in block_keys container index_lookup holder_transfer placement engine_reuse \
-		session_index agentic_hints vllm_connector compiled_pieces controller_ha; do \
+		session_index agentic_hints vllm_connector compiled_pieces controller_ha kv_events; do \
 		$(PY) benchmarks/$$script.py > .bench.line || exit 1; cat .bench.line >> .bench.out; \
 		tail -n 1 .bench.line; done
 	$(PY) benchmarks/record.py .bench.out

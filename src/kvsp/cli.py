@@ -871,9 +871,17 @@ def _announce(cluster: LocalCluster) -> None:
         *(f"  controller       {p.url}" for p in cluster.controller_processes),
         f"  operator token   {info['operator_token']}",
         f"  metrics token    {cluster.metrics_token}  (GET metrics on every service)",
+        f"  router token     {cluster.router_token}  (POST query on the controller)",
         f"  Index Service    {info['index']}",
         f"  holder           {info['holder']}",
-        *(f"  instance         {p.url}" for p in cluster.instance_processes),
+        *(
+            f"  instance         {p.url}" + (f"  KV events {e} replay {r}" if e else "")
+            for p, (e, r) in zip(
+                cluster.instance_processes,
+                cluster.kv_event_endpoints or [("", "")] * len(cluster.instance_processes),
+                strict=True,
+            )
+        ),
         f"  files and logs   {cluster.folder}",
         "try:",
         f"  curl -s {base}/completions -H 'Authorization: Bearer {info['api_key']}' \\",

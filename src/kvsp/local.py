@@ -267,7 +267,9 @@ class LocalCluster:
             holder_port, logs / "holder.log",
         )  # fmt: skip
         self.processes = [*state, index, *controllers, holder]
-        self.kv_event_endpoints = [self._kv_events(n) for n in range(self.instances)]
+        self.kv_event_endpoints = (
+            [] if self.kv_events is None else [self._kv_events(n) for n in range(self.instances)]
+        )
         for n, (port, url) in enumerate(zip(ports, urls, strict=True)):
             token = str(self._write(f"instance-{n}.token", tokens[str(port)]))
             events = (
