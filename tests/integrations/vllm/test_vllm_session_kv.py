@@ -34,21 +34,61 @@ async def local_tiers(base: str) -> list[tuple[tuple[str, ...], int]]:
     return sorted(Counter(last.values()).items())
 
 
+class KvEvents:
+    """What an instance's KV events say it holds, per medium, decoded by vLLM's own classes."""
+
+    def __init__(self, endpoint: str) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.socket.connect(endpoint)
+        self.decode = msgspec.msgpack.Decoder(KVEventBatch)
+        self.held: dict[Any, set[str]] = {}
+
+    async def media(self) -> dict[str, int]:
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        while self.socket.poll(0):
+            for event in self.decode.decode(self.socket.recv_multipart()[2]).events:
+                if isinstance(event, AllBlocksCleared):
+                    self.held.clear()
+                elif isinstance(event, BlockStored | BlockRemoved):
+                    for h in event.block_hashes:
+                        media = self.held.setdefault(h, set())
+                        if isinstance(event, BlockStored):
+                            media.add(event.medium or "GPU")
+                        else:
+                            media.discard(event.medium or "GPU")
+        return dict(Counter(m for media in self.held.values() for m in media))
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
 async def test_hints_on_vllm_resolve_against_its_pages_and_say_what_they_reached(
     tmp_path: Path, model_files: ModelFiles, engine: Engine
 ) -> None:
     cluster = Cluster(tmp_path, model_files.compat_id.hex())
-    a = cluster.instance("--engine", "vllm", "--session-index")
+    kv_events = f"ipc://{tmp_path}/a-kv-events"
+    a = cluster.instance("--engine", "vllm", "--session-index", "--kv-events", kv_events)
     b = cluster.instance()
     session = str(uuid.uuid4())
     me: dict[str, Any] = {"target": {"session": session}}
     expected = greedy(engine, LONG, 24)
+    published = KvEvents(kv_events)
     with running(cluster.index, cluster.holder, a, b):
         first = await generate(a.base_url, LONG, 24, session=session)
         assert first["tokens"] == expected
         # 323 tokens computed: 20 blocks, each saved to G2; vLLM caches whole pages of 128
         # tokens, so the first 16 are in its pages too (its BlockStored events say so)
         await eventually(lambda: local_tiers(a.base_url), [(("g1", "g2"), 16), (("g2",), 4)])
+        # and the instance's own vLLM-format KV events say the same: 16 blocks in GPU (vLLM's
+        # pages), 20 in CPU (the embedded holder's G2)
+        await eventually(published.media, {"GPU": 16, "CPU": 20})
+        published.close()
 
         retain, pin, prefetch, demote = await hint(
             a.base_url,
