@@ -12,7 +12,8 @@
   recomputed; the output is correct in every case;
 - KvHints on the requests of a stock vLLM with the connector (vLLM's own ``kv_hints``, Dynamo's
   ``kv_transfer_params.kv_hint``) run against vLLM's pages and the connector's holder, each
-  outcome saying what it reached;
+  outcome saying what it reached; vLLM's own KV event publisher carries the connector's stores
+  at the holder (``take_events``);
 - the controller routes a session to a vLLM instance and, after a SIGKILL, resumes it on another
   vLLM instance, every token index once, equal to the reference, greedy or sampled (vLLM
   samples by kvsp's rule, so the resumed instance draws what the killed one would have).
@@ -24,17 +25,21 @@ import asyncio
 import json
 import signal
 import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
+import zmq
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
 from kvsp.core.container import Container
 from kvsp.core.digests import repr_digest_of
@@ -107,6 +112,55 @@ async def offline(
     if log is not None:
         log += err.decode(errors="replace").splitlines()
     return [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
+
+
+class Published:
+    """Every KV event a vLLM process publishes on ``endpoint``, read on a thread of its own
+    (connected before vLLM binds: ZMQ connects once it does) and decoded by vLLM's classes."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.events: list[Any] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._listen)
+
+    def __enter__(self) -> Published:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _listen(self) -> None:
+        socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.connect(self.endpoint)
+        decode = msgspec.msgpack.Decoder(KVEventBatch)
+        while not self._stop.is_set():
+            if socket.poll(100):
+                self.events.extend(decode.decode(socket.recv_multipart()[2]).events)
+        socket.close(linger=0)
+
+
+def check_stored_at_holder(events: list[Any], first: list[int]) -> None:
+    """``KVSPConnector.take_events()`` announced, through vLLM's own publisher and under vLLM's
+    own page hash, each page the connector stored at the holder: medium CPU, locality REMOTE,
+    ownership kvsp, with the page's tokens and parent."""
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    vllm_pages = {
+        h: e.token_ids[128 * i : 128 * (i + 1)]
+        for e in stored if e.medium == "GPU" for i, h in enumerate(e.block_hashes)
+    }  # fmt: skip
+    at_holder = [e for e in stored if e.ownership == "kvsp"]
+    assert at_holder, "no page announced as stored at the holder"
+    for event in at_holder:
+        assert (event.medium, event.locality, event.block_size) == ("CPU", "REMOTE", 128)
+        (page,) = event.block_hashes
+        assert page in vllm_pages  # vLLM's own hash of the same page
+        assert event.token_ids == vllm_pages[page]
+    roots = [e for e in at_holder if e.parent_block_hash is None]
+    assert [e.token_ids for e in roots][:1] == [first[:128]]
 
 
 def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
@@ -384,7 +438,8 @@ async def test_a_stock_vllm_runs_the_hints_its_requests_carry_against_its_pages_
         ("kv.pin", {"target": {"scope_id": acme, "block_keys": keys[:2]}, "ttl_ms": 1_000})
     )
     log: list[str] = []
-    with running(destination):
+    kv_events = f"ipc://{tmp_path}/kv-events"
+    with running(destination), Published(kv_events) as published:
         served, carried, bridged = await offline(
             cluster,
             model_files,
@@ -396,13 +451,14 @@ async def test_a_stock_vllm_runs_the_hints_its_requests_carry_against_its_pages_
             log=log,
             tenant="acme",
             request_hints=True,
-            options={"prefix_caching": True, "kv_events": f"ipc://{tmp_path}/kv-events"},
+            options={"prefix_caching": True, "kv_events": kv_events},
         )
         async with httpx.AsyncClient() as http:
             copied = [
                 (await http.get(f"{destination_url}blocks/{compat}/{acme}/{key}")).status_code
                 for key in keys
             ]
+    check_stored_at_holder(published.events, first)
     assert carried["kv_transfer_params"]["kvsp"]["kv_hints"] == {
         "message_id": native["message_id"],
         "actions": 7,
@@ -429,55 +485,3 @@ async def test_a_stock_vllm_runs_the_hints_its_requests_carry_against_its_pages_
     [leased] = hint_outcomes(log, dynamo)
     assert (leased["outcome"], leased["code"], leased["blocks"]) == ("clipped", "engine-g1", 2)
     assert "kv_hints" not in served["kv_transfer_params"]["kvsp"]
-
-
-async def test_vllms_own_publisher_carries_the_connectors_stores_at_the_holder(
-    cluster: Cluster, model_files: ModelFiles, tmp_path: Path
-) -> None:
-    """Under vLLM with KV events on, ``KVSPConnector.take_events()`` announces each page the
-    connector stored at the holder, through vLLM's own publisher, under vLLM's own page hash:
-    medium CPU, locality REMOTE, ownership kvsp, with the page's tokens and parent."""
-    import threading
-
-    import msgspec
-    import zmq
-    from vllm.distributed.kv_events import BlockStored, KVEventBatch
-
-    endpoint = f"ipc://{tmp_path}/kv-events"
-    got: list[Any] = []
-    stop = threading.Event()
-
-    def listen() -> None:
-        socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
-        socket.setsockopt(zmq.SUBSCRIBE, b"")
-        socket.connect(endpoint)  # before vLLM binds: ZMQ connects once it does
-        decode = msgspec.msgpack.Decoder(KVEventBatch)
-        while not stop.is_set():
-            if socket.poll(100):
-                got.extend(decode.decode(socket.recv_multipart()[2]).events)
-        socket.close(linger=0)
-
-    listener = threading.Thread(target=listen)
-    listener.start()
-    prompts = [LONG, [t + 1 for t in LONG]]  # the second request's steps carry the reports
-    try:
-        await offline(
-            cluster, model_files, prompts, options={"prefix_caching": True, "kv_events": endpoint}
-        )
-    finally:
-        stop.set()
-        listener.join()
-    stored = [e for e in got if isinstance(e, BlockStored)]
-    vllm_pages = {
-        h: e.token_ids[128 * i : 128 * (i + 1)]
-        for e in stored if e.medium == "GPU" for i, h in enumerate(e.block_hashes)
-    }  # fmt: skip
-    at_holder = [e for e in stored if e.ownership == "kvsp"]
-    assert at_holder, "no page announced as stored at the holder"
-    for event in at_holder:
-        assert (event.medium, event.locality, event.block_size) == ("CPU", "REMOTE", 128)
-        (page,) = event.block_hashes
-        assert page in vllm_pages  # vLLM's own hash of the same page
-        assert event.token_ids == vllm_pages[page]
-    first = next(e for e in at_holder if e.parent_block_hash is None)
-    assert first.token_ids == LONG[:128]
