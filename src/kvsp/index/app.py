@@ -30,7 +30,13 @@ from kvsp.core.records import (
     ReplicaRef,
 )
 from kvsp.index.queries import decode_lookup
-from kvsp.index.rules import LOOKUP_ROLES, PUBLISH_ROLES, STATUS_ROLES, check_path
+from kvsp.index.rules import (
+    DESCRIPTOR_ROLES,
+    LOOKUP_ROLES,
+    PUBLISH_ROLES,
+    STATUS_ROLES,
+    check_path,
+)
 from kvsp.index.service import IndexService
 from kvsp.web.openapi import ANYONE, METRICS_ROLES, Op, obj, principal_of, routes_of
 from kvsp.web.server import (
@@ -158,7 +164,7 @@ def create_app(
         Op("POST", "lookup", AsgiEndpoint(lookup), "prefix lookup (KVSP 6.2)", LOOKUP_ROLES,
            "the query's scope", LookupRequest, {200: LookupResponse}),
         Op("PUT", "descriptors/{compat}", register,
-           "what a Compatibility ID stands for (KVSP 4.1; extension), verified", PUBLISH_ROLES,
+           "what a Compatibility ID stands for (KVSP 4.1; extension), verified", DESCRIPTOR_ROLES,
            body=CompatibilityDescriptor,
            answers={200: _REGISTERED, 201: _REGISTERED}),
         Op("PUT", "status", status, "an instance's status, for estimates (extension)",

@@ -13,6 +13,7 @@ from kvsp.core.records import InstanceStatusRecord, ReplicaRecord, ReplicaRef
 from kvsp.quotas import Quotas
 
 __all__ = [
+    "DESCRIPTOR_ROLES",
     "LOOKUP_ROLES",
     "PUBLISH_ROLES",
     "STATUS_ROLES",
@@ -25,6 +26,8 @@ __all__ = [
 ]
 
 PUBLISH_ROLES = (Role.HOLDER, Role.INSTANCE, Role.INGEST)
+#: who may register a Compatibility Descriptor: the parties whose own caches it describes
+DESCRIPTOR_ROLES = (Role.HOLDER, Role.INSTANCE)
 LOOKUP_ROLES = (Role.CONTROLLER, Role.INSTANCE, Role.HOLDER, Role.CLIENT)
 STATUS_ROLES = (Role.INSTANCE, Role.CONTROLLER)
 

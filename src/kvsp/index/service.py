@@ -33,7 +33,7 @@ from kvsp.core.records import (
 from kvsp.index.queries import LookupQuery
 from kvsp.index.replicas import PublishOutcome, arrays_of
 from kvsp.index.rules import (
-    PUBLISH_ROLES,
+    DESCRIPTOR_ROLES,
     authorize_lookup,
     authorize_publish,
     authorize_status,
@@ -138,7 +138,7 @@ class IndexService:
         """``PUT descriptors/{compat}``: a holder or instance says what its Compatibility ID
         stands for (KVSP 4.1), so lookups as 6.2 writes them get estimates. The ID is
         recomputed from the descriptor, never taken on trust; True if it was new here."""
-        authorize(principal, PUBLISH_ROLES)
+        authorize(principal, DESCRIPTOR_ROLES)
         descriptor = CompatibilityDescriptor.parse(body)
         computed = descriptor.compat_id().hex()
         if computed != compat:
