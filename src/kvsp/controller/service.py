@@ -85,7 +85,7 @@ from kvsp.core.shared import ScopedChain
 from kvsp.core.urls import canonical_url
 from kvsp.index.client import IndexClient
 from kvsp.tasks import Background, KeyedLocks, cancel_all
-from kvsp.tenants import Tenants
+from kvsp.tenants import Tenant, Tenants
 
 __all__ = ["ControllerConfig", "ControllerService", "Launcher", "Placement"]
 
@@ -443,6 +443,19 @@ class ControllerService:
             replicas=tuple(r for a in answers for r in a.replicas),
         )
 
+    async def _request(
+        self, tenant: Tenant, compat_id: str, tokens: Sequence[int]
+    ) -> PlacementRequest:
+        """The prompt's Block Keys in the tenant's scope (a shared prefix's first), as placement
+        and the router query look them up."""
+        b = self.config.block_tokens
+        chain = tenant.chain(compat_id, b)
+        keys = await _block_keys(chain, tokens, b)
+        shared = None if chain.shared is None else chain.shared.scope_id
+        return PlacementRequest(
+            tenant.scope_id, compat_id, keys, len(tokens), b, shared, chain.shared_count
+        )
+
     async def query_prefix(
         self,
         principal: Principal,
@@ -461,12 +474,7 @@ class ControllerService:
             (compat_id,) = tenant.compat_ids
         tenant.check_compat(compat_id)
         b = self.config.block_tokens
-        chain = tenant.chain(compat_id, b)
-        keys = await _block_keys(chain, tokens, b)
-        shared = None if chain.shared is None else chain.shared.scope_id
-        request = PlacementRequest(
-            tenant.scope_id, compat_id, keys, len(tokens), b, shared, chain.shared_count
-        )
+        request = await self._request(tenant, compat_id, tokens)
         active = [i.status for i in self.instances.active()]
         lookup = await self._lookup(request, [s.instance for s in active])
         report = prefix_report(
@@ -502,12 +510,8 @@ class ControllerService:
         if session is not None:  # the tenant's own name for it, in the tenant's namespace
             session = tenant_session(tenant.scope_id, session)
         block_tokens = self.config.block_tokens
-        chain = tenant.chain(compat_id, block_tokens)
-        keys = await _block_keys(chain, tokens, block_tokens)
-        shared = None if chain.shared is None else chain.shared.scope_id
-        request = PlacementRequest(
-            tenant.scope_id, compat_id, keys, len(tokens), block_tokens, shared, chain.shared_count
-        )
+        request = await self._request(tenant, compat_id, tokens)
+        keys = request.block_keys
         first = None
         if session is not None:
             blocks, tail, last_block = split_prompt(tokens, block_tokens)
