@@ -566,12 +566,14 @@ def frontend_serve_command(
     from kvsp.model import installed, system_prefix
     from kvsp.tenants import Tenants
     from kvsp.web.openapi import ANYONE, HEALTH, Op, routes_of
+    from kvsp.web.probes import probe_ops
     from kvsp.web.server import install_problem_handlers, json_response, lifespan_of
 
     token = _read_token(token_file)
     files = installed(None, block_tokens)
     parsed = Tenants.load(tenants, system_prefix(files))
-    front = load_frontend(RemoteController(controller, token), parsed, files, token)
+    controllers = RemoteController(controller, token)
+    front = load_frontend(controllers, parsed, files, token)
 
     async def healthz(_: object) -> object:
         return json_response(b'{"status":"ok"}')
@@ -579,7 +581,10 @@ def frontend_serve_command(
     async def started() -> None:
         return None
 
-    ops = [*frontend_ops(front, BODY_OCTETS),
+    async def readiness() -> list[str]:
+        return await controllers.first_ready()
+
+    ops = [*frontend_ops(front, BODY_OCTETS), *probe_ops("frontend", readiness),
            Op("GET", "healthz", healthz, "liveness", ANYONE, answers={200: HEALTH})]  # fmt: skip
     app = Starlette(
         routes=routes_of("/kvsp/", "kvsp front end", ops, Principals({})),  # API keys only

@@ -33,6 +33,7 @@ from kvsp.core.records import (
     TokenId,
 )
 from kvsp.web.openapi import ANYONE, HEALTH, METRICS_ROLES, Op, obj, principal_of, routes_of
+from kvsp.web.probes import probe_ops
 from kvsp.web.server import (
     install_problem_handlers,
     json_response,
@@ -298,6 +299,7 @@ def create_app(
         Op("GET", "shards/{map}", get_map, "a shard map", pc, answers={200: {"type": "object"}}),
         Op("POST", "shards/{map}/reshard", reshard, "reshard a map (KVSP 6.9)", pc,
            body=ReshardRequest, answers={200: {"type": "object"}}),
+        *probe_ops("controller", service.readiness),
         Op("GET", "healthz", healthz, "liveness", ANYONE, answers={200: HEALTH}),
         Op("GET", "metrics", metrics, "Prometheus text", METRICS_ROLES,
            answers={200: "text/plain"}),

@@ -370,6 +370,17 @@ class ControllerService:
         self.instances.set_state(url, state)
         await self._write(PutInstance(self.instances.get(url)))
 
+    async def readiness(self) -> list[str]:
+        """Why this controller should get no traffic now (``readyz``): it does not lead (a
+        standby, or a leader whose state store stopped answering within its lease), or no
+        instance is active to place a request on."""
+        reasons = []
+        if not self.lead.leading():
+            reasons.append(f"not leading (the leader is {self.lead.leader or 'unknown'})")
+        if not self.instances.active():
+            reasons.append("no active instance")
+        return reasons
+
     def lead_view(self) -> dict[str, Any]:
         """Whether this controller leads, and which one does (``healthz``)."""
         role = "leader" if self.lead.leading() else "standby"

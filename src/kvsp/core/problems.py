@@ -76,6 +76,7 @@ __all__ = [
     "NotAccepting",
     "NotFound",
     "NotLeader",
+    "NotReady",
     "PayloadTooLarge",
     "PeerAnswerTooLarge",
     "PeerError",
@@ -301,6 +302,14 @@ class NotLeader(ServiceUnavailable):
 
     slug = "kvsp-not-leader"
     title = "Not the leading controller"
+
+
+class NotReady(ServiceUnavailable):
+    """``GET readyz`` of a service that serves but should get no traffic yet (or any more):
+    its store unreachable, its model not loaded, draining, no active instance."""
+
+    slug = "kvsp-not-ready"
+    title = "Not ready for traffic"
 
 
 class PeerError(ServiceUnavailable):

@@ -30,6 +30,7 @@ from kvsp.core.validation import decimal
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.service import HolderService
 from kvsp.web.openapi import ANYONE, HEALTH, METRICS_ROLES, Op, principal_of, routes_of
+from kvsp.web.probes import probe_ops
 from kvsp.web.server import (
     AsgiEndpoint,
     InflightOctets,
@@ -183,6 +184,7 @@ def create_app(service: HolderService, principals: Principals) -> Starlette:
 
     ops = [
         *block_ops(service),
+        *probe_ops("holder", service.readiness),
         Op("GET", "healthz", healthz, "liveness", ANYONE, answers={200: HEALTH}),
         Op("GET", "metrics", metrics, "Prometheus text", METRICS_ROLES,
            answers={200: "text/plain"}),

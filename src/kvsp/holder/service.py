@@ -209,6 +209,8 @@ class HolderService:
         self._pending: OrderedDict[BlockId, Effect] = OrderedDict()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        #: between the end of ``start`` (the disk tier's blocks are back) and ``close``
+        self.serving = False
         #: SHA-256 of each held block's whole container, for Repr-Digest of full GETs
         self._repr: dict[BlockId, bytes] = {}
         #: the event loop it runs on, once started
@@ -266,6 +268,12 @@ class HolderService:
             asyncio.create_task(self._publisher(), name="kvsp-holder-publisher"),
             asyncio.create_task(self._refresher(), name="kvsp-holder-refresher"),
         ]
+        self.serving = True
+
+    async def readiness(self) -> list[str]:
+        """Why this holder should get no traffic now (``readyz``): not yet started (its disk
+        scan runs first) or stopping."""
+        return [] if self.serving else ["the holder is starting or stopping"]
 
     def _restore(self) -> tuple[int, list[BlockId]]:
         """(blocks restored, blocks removed: files that failed verification, or that the disk
@@ -294,6 +302,7 @@ class HolderService:
     async def close(self) -> None:
         """Stop: withdraw what this holder will no longer serve (blocks with no copy on
         disk), then deliver what is pending, for at most 2 s."""
+        self.serving = False
         await cancel_all(self._tasks)
         if self.index is not None:
             lost = await self.call(self.store.volatile)

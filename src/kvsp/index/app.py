@@ -39,6 +39,7 @@ from kvsp.index.rules import (
 )
 from kvsp.index.service import IndexService
 from kvsp.web.openapi import ANYONE, METRICS_ROLES, Op, obj, principal_of, routes_of
+from kvsp.web.probes import probe_ops
 from kvsp.web.server import (
     AsgiEndpoint,
     install_problem_handlers,
@@ -170,6 +171,7 @@ def create_app(
         Op("PUT", "status", status, "an instance's status, for estimates (extension)",
            STATUS_ROLES, "the instance's URL in its holders", InstanceStatusRecord,
            {200: obj(["accepted"], accepted={"type": "boolean"})}),
+        *probe_ops("index", service.readiness),
         Op("GET", "healthz", healthz, "liveness and the store's", ANYONE,
            answers={200: obj(["status"], status={"type": "string"})}),
         Op("GET", "metrics", metrics, "Prometheus text", METRICS_ROLES,

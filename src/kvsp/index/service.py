@@ -23,7 +23,7 @@ from prometheus_client.core import (
 
 from kvsp.auth import Principal, authorize
 from kvsp.core.compat import CompatibilityDescriptor
-from kvsp.core.problems import DescriptorError, RecordError
+from kvsp.core.problems import DescriptorError, KvspError, RecordError
 from kvsp.core.records import (
     InstanceStatusRecord,
     ReplicaBatch,
@@ -226,6 +226,15 @@ class IndexService:
     async def put_status(self, principal: Principal, status: InstanceStatusRecord) -> None:
         authorize_status(principal, status)
         await self.store.put_status(status)
+
+    async def readiness(self) -> list[str]:
+        """Why this Index Service should get no traffic now (``readyz``): its store does not
+        answer."""
+        try:
+            await self.store.ping()
+        except KvspError as exc:
+            return [f"the {self.store.name} store does not answer: {exc.detail}"]
+        return []
 
     async def refresh_gauges(self) -> None:
         """Bring the scrape-time gauges (records by scope, expiries) up to date."""

@@ -41,6 +41,7 @@ from kvsp.holder.app import block_ops
 from kvsp.instance.service import InstanceService
 from kvsp.instance.sessions import TokenEvent
 from kvsp.web.openapi import ANYONE, METRICS_ROLES, Op, obj, principal_of, routes_of
+from kvsp.web.probes import probe_ops
 from kvsp.web.server import (
     install_problem_handlers,
     json_response,
@@ -290,6 +291,7 @@ def create_app(service: InstanceService, principals: Principals) -> Starlette:
                   "wait_ms": {"type": "string"}}, answers={200: {"type": "object"}}),
         Op("GET", "status", status, "this instance's status record", controller,
            answers={200: InstanceStatusRecord}),
+        *probe_ops("instance", service.readiness),
         Op("GET", "healthz", healthz, "liveness", ANYONE, answers={200: {"type": "object"}}),
         Op("GET", "metrics", metrics, "Prometheus text", METRICS_ROLES,
            answers={200: "text/plain"}),

@@ -278,6 +278,15 @@ class InstanceService:
             self.kv_events.publisher.close()
         self.engine_thread.shutdown()
 
+    async def readiness(self) -> list[str]:
+        """Why this instance should get no traffic now (``readyz``): it drains or sleeps, or
+        its holder is not serving. Its model is loaded before its port opens (the service
+        builds the engine), so a startup probe on ``livez`` covers the load."""
+        reasons = await self.holder.readiness()
+        if self.state is not InstanceState.ACTIVE:
+            reasons.append(f"the instance is {self.state.value}")
+        return reasons
+
     def running(self) -> int:
         return sum(1 for s in self.sessions.values() if not s.done)
 

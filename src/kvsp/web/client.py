@@ -162,6 +162,25 @@ class JsonClient(ClosingClient):
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.25)
 
+    async def first_ready(self, path: str = "readyz", timeout_s: float = 2.0) -> list[str]:
+        """Why none of the URLs is ready: ``GET path`` at each in turn until one answers 2xx
+        within ``timeout_s`` (then nothing); a probe's question, so no failover wait."""
+        reasons = []
+        for i, url in enumerate(self._urls):
+            base = "" if len(self._urls) == 1 else url
+            try:
+                try:
+                    response = await self._http.get(base + path, timeout=timeout_s)
+                except transport_errors as exc:
+                    raise peer_error(exc, self.peer) from None
+                raise_for_problem(response)
+            except KvspError as exc:
+                reasons.append(f"{url}: {exc.detail}")
+                continue
+            self._current = i
+            return []
+        return reasons
+
     def _next(self, exc: KvspError) -> int:
         """The URL to try after ``exc``: the leader a standby named, else the next one."""
         leader = exc.extensions.get("leader")
