@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import logging
 import re
 import signal
 import sys
@@ -262,7 +263,6 @@ def _principals(auth: Path | None, host: str) -> Principals:
         return Principals.load(auth)
     if not _is_loopback(host):
         raise InvalidInput("without --auth a service binds to loopback only")
-    sys.stderr.write("kvsp: development mode (no --auth): every request is allowed\n")
     return Principals.development_mode()
 
 
@@ -283,17 +283,38 @@ HttpLimits = Annotated[
 ]
 
 
+LogFormat = Annotated[
+    str,
+    typer.Option(
+        "--log-format",
+        help="text (one line each) or json (one object per line, with request and trace ids)",
+    ),
+]
+
+
 def _serve(
-    asgi_app: Any, host: str, port: int, log_level: str, http_limits: list[str] | None
+    asgi_app: Any,
+    principals: Principals,
+    service: str,
+    host: str,
+    port: int,
+    log_level: str,
+    log_format: str,
+    http_limits: list[str] | None,
 ) -> None:
     """Run a service's ASGI app behind its front door until it is stopped."""
-    from kvsp.web.serving import parse_front_door, serve
+    from kvsp.web.serving import configure_logs, parse_front_door, serve
 
+    configure_logs(log_level, log_format, service)  # a wrong format is refused before serving
+    if principals.development:
+        logging.getLogger("kvsp.auth").warning(
+            "development mode (no --auth): every request is allowed"
+        )
     try:
         door = parse_front_door(http_limits or [])
     except ValueError as exc:
         raise InvalidInput(f"--http-limit {exc}") from None
-    serve(asgi_app, host, port, log_level, door)
+    serve(asgi_app, host, port, log_level, door, log_format, service)
 
 
 @index_app.command("serve")
@@ -323,6 +344,7 @@ def index_serve_command(
     max_layers: Annotated[int, typer.Option("--max-layers", min=1, max=65_535)] = 1024,
     max_body_bytes: Annotated[str, typer.Option("--max-body-bytes")] = "16M",
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    log_format: LogFormat = "text",
     http_limit: HttpLimits = None,
 ) -> None:
     """Run the Index Service on HOST:PORT under /kvsp/."""
@@ -345,7 +367,7 @@ def index_serve_command(
     known = [] if descriptors is None else _descriptors(descriptors)
     service = IndexService(replica_store, max_layers=max_layers, descriptors=known)
     app = create_app(service, principals, parse_octets(max_body_bytes))
-    _serve(app, host, port, log_level, http_limit)
+    _serve(app, principals, "index", host, port, log_level, log_format, http_limit)
 
 
 @index_app.command("ingest")
@@ -358,17 +380,18 @@ def index_ingest_command(
     ] = None,
     block_tokens: Annotated[int, typer.Option("--block-tokens", min=1)] = 16,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    log_format: LogFormat = "text",
 ) -> None:
     """Read the KV events of plain vLLM pods into the IS: each pod's blocks as kvsp Block Keys
     of its tenants' scopes, held at the pod (docs/operations.md)."""
     import asyncio
-    import logging
 
     from kvsp.kvevents.ingest import ingest, load_pods
     from kvsp.model import installed, system_prefix
     from kvsp.tenants import Tenants
+    from kvsp.web.serving import configure_logs
 
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logs(log_level, log_format, "ingest")
     files = installed(None, block_tokens)
     known = Tenants.load(tenants, system_prefix(files))
     descriptor = files.descriptor
@@ -433,6 +456,7 @@ def holder_serve_command(
     max_inflight_bytes: Annotated[str, typer.Option("--max-inflight-bytes")] = "1G",
     block_overhead_bytes: Annotated[str, typer.Option("--block-overhead-bytes")] = "2K",
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    log_format: LogFormat = "text",
     http_limit: HttpLimits = None,
 ) -> None:
     """Run a holder on HOST:PORT under /kvsp/, publishing what it holds to --index."""
@@ -461,7 +485,16 @@ def holder_serve_command(
         index_routes=parse_index_routes(index_routes),
     )
     principals = _principals(auth, host)
-    _serve(create_app(HolderService(config), principals), host, port, log_level, http_limit)
+    _serve(
+        create_app(HolderService(config), principals),
+        principals,
+        "holder",
+        host,
+        port,
+        log_level,
+        log_format,
+        http_limit,
+    )
 
 
 @controller_app.command("serve")
@@ -495,6 +528,7 @@ def controller_serve_command(
         int, typer.Option("--lease-ms", min=100, help="the leader's lease (Redis state)")
     ] = 1_500,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    log_format: LogFormat = "text",
     http_limit: HttpLimits = None,
 ) -> None:
     """Run the Placement Controller on HOST:PORT under /kvsp/."""
@@ -536,7 +570,7 @@ def controller_serve_command(
         more, closing = frontend_ops(front, BODY_OCTETS), [front.aclose]
     query_text = text_tokenizer(lambda: installed(None, block_tokens))
     app = create_app(service, principals, more, closing, query_text)
-    _serve(app, host, port, log_level, http_limit)
+    _serve(app, principals, "controller", host, port, log_level, log_format, http_limit)
 
 
 @frontend_app.command("serve")
@@ -553,6 +587,7 @@ def frontend_serve_command(
     port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 9080,
     block_tokens: Annotated[int, typer.Option("--block-tokens", min=1)] = 16,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    log_format: LogFormat = "text",
     http_limit: HttpLimits = None,
 ) -> None:
     """Run the OpenAI-compatible front end on HOST:PORT under /kvsp/v1/, placing requests with
@@ -591,7 +626,7 @@ def frontend_serve_command(
         lifespan=lifespan_of(started, front.aclose),
     )
     install_problem_handlers(app, log, lambda _: None)
-    _serve(app, host, port, log_level, http_limit)
+    _serve(app, Principals({}), "frontend", host, port, log_level, log_format, http_limit)
 
 
 @model_app.command("install")
@@ -694,6 +729,7 @@ def instance_serve_command(
         typer.Option("--kv-events-curve-key-file", help="Z85 CURVE server secret key"),
     ] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    log_format: LogFormat = "text",
     http_limit: HttpLimits = None,
 ) -> None:
     """Run an inference instance on HOST:PORT under /kvsp/ (install the model first)."""
@@ -752,7 +788,16 @@ def instance_serve_command(
         service: InstanceService = VllmInstanceService(config, options)
     else:
         service = InstanceService(config)
-    _serve(create_app(service, principals), host, port, log_level, http_limit)
+    _serve(
+        create_app(service, principals),
+        principals,
+        "instance",
+        host,
+        port,
+        log_level,
+        log_format,
+        http_limit,
+    )
 
 
 @app.command("up")

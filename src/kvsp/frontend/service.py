@@ -47,7 +47,7 @@ from kvsp.frontend.controllers import Controller, Placed
 from kvsp.model import MODEL_NAME, ModelBounds, ModelFiles
 from kvsp.tasks import Background
 from kvsp.tenants import Tenant, Tenants
-from kvsp.web.client import KEEPALIVE_EXPIRY_S, auth_headers
+from kvsp.web.client import KEEPALIVE_EXPIRY_S, auth_headers, carry_request_ids
 
 __all__ = ["CompletionRequest", "FrontEnd", "Tokenizer", "Turn", "load_frontend"]
 
@@ -175,6 +175,7 @@ class FrontEnd:
             timeout=httpx.Timeout(30.0, read=120.0),
             transport=transport,
             limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
+            event_hooks={"request": [carry_request_ids]},
         )
 
     async def aclose(self) -> None:

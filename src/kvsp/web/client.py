@@ -37,12 +37,14 @@ from kvsp.core.problems import (
     problem_types,
 )
 from kvsp.core.registries import JSON_MEDIA_TYPE
+from kvsp.web.context import outgoing_headers
 
 __all__ = [
     "KEEPALIVE_EXPIRY_S",
     "ClosingClient",
     "JsonClient",
     "auth_headers",
+    "carry_request_ids",
     "peer_error",
     "problem_for",
     "raise_for_problem",
@@ -128,6 +130,7 @@ class JsonClient(ClosingClient):
             timeout=timeout_s,
             transport=transport,
             limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
+            event_hooks={"request": [carry_request_ids]},
         )
 
     async def aclose(self) -> None:
@@ -189,6 +192,13 @@ class JsonClient(ClosingClient):
             if named != self._current:
                 return named
         return (self._current + 1) % len(self._urls)
+
+
+async def carry_request_ids(request: httpx.Request) -> None:
+    """An httpx request hook: the call carries the request id and trace of the request being
+    served (``kvsp.web.context``)."""
+    for name, value in outgoing_headers().items():
+        request.headers.setdefault(name, value)
 
 
 def auth_headers(token: str | None) -> dict[str, str]:

@@ -38,6 +38,7 @@ from kvsp.core.problems import (
     PeerUnreachable,
 )
 from kvsp.core.validation import decimal
+from kvsp.web.context import outgoing_headers
 
 __all__ = [
     "ChunkedDecoder",
@@ -704,7 +705,8 @@ class Http1Client:
         # RFC 9110 7.2: Host is the authority without userinfo (never send credentials there)
         host = parts.netloc.rpartition("@")[2]
         _check_fields({**(headers or {}), "host": host})
-        fields = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        carried = {**outgoing_headers(), **(headers or {})}
+        fields = "".join(f"{k}: {v}\r\n" for k, v in carried.items())
         framing = f"content-length: {length}\r\n" if body or method in ("PUT", "POST") else ""
         head = (
             f"{method} {target} HTTP/1.1\r\nhost: {host}\r\n{self._headers}{fields}{framing}\r\n"

@@ -32,6 +32,7 @@ import logging
 import re
 import select
 import sys
+import time
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -49,13 +50,18 @@ from kvsp.core.problems import (
     UriTooLong,
 )
 from kvsp.core.registries import PROBLEM_MEDIA_TYPE
+from kvsp.web import context
+from kvsp.web.server import header_value
 
 __all__ = [
     "HELD_OCTETS_LIMIT",
+    "LOG_FORMATS",
     "FrontDoor",
     "HeldWrites",
     "HttpProtocol",
+    "JsonFormatter",
     "PrintableFormatter",
+    "RequestContext",
     "configure_logs",
     "parse_front_door",
     "printable",
@@ -400,6 +406,7 @@ def uvicorn_config(
         http=functools.partial(HttpProtocol, front_door=door),  # type: ignore[arg-type]
         lifespan=lifespan,
         log_level=log_level,
+        log_config=None,  # configure_logs: uvicorn's lines in the service's format
         access_log=False,
         timeout_keep_alive=door.idle_timeout_s,  # type: ignore[arg-type]
         backlog=min(door.connections, 4096),
@@ -424,24 +431,97 @@ class PrintableFormatter(logging.Formatter):
         return super().formatMessage(record)
 
 
-def configure_logs(log_level: str) -> None:
-    """The ``kvsp`` loggers of a service process: ``log_level`` and up, one line each, to
-    standard error."""
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line (``--log-format json``): time, level, service, logger,
+    message, and the request and trace ids of the request being served, so a log store can
+    join a line to its request and its trace. JSON escapes every control character."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "service": self.service,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        ids = context.current()
+        if ids is not None:
+            doc |= {"request_id": ids.request_id, "trace_id": ids.trace_id,
+                    "span_id": ids.span_id}  # fmt: skip
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+JsonFormatter.converter = time.gmtime
+
+#: the log formats of ``--log-format``
+LOG_FORMATS = ("text", "json")
+
+
+def configure_logs(log_level: str, log_format: str = "text", service: str = "kvsp") -> None:
+    """The ``kvsp`` and ``uvicorn`` loggers of a service process: ``log_level`` and up, one
+    line each (``text``, or ``json`` objects), to standard error."""
+    if log_format not in LOG_FORMATS:
+        raise InvalidInput(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
     handler = logging.StreamHandler()
-    handler.setFormatter(PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("kvsp")
-    root.handlers[:] = [handler]
-    root.setLevel(log_level.upper())
-    root.propagate = False
+    handler.setFormatter(
+        JsonFormatter(service)
+        if log_format == "json"
+        else PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    for name in ("kvsp", "uvicorn"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(log_level.upper())
+        logger.propagate = False
+
+
+class RequestContext:
+    """The ASGI app ``app`` with each HTTP request served under its ids
+    (``kvsp.web.context``): its log lines and its calls to peers carry them, and the answer
+    names its request id (``x-request-id``)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        ids = context.request_ids(
+            header_value(scope, b"x-request-id"), header_value(scope, b"traceparent")
+        )
+        named = (b"x-request-id", ids.request_id.encode())
+
+        async def send_named(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), named]}
+            await send(message)
+
+        with context.using(ids):
+            await self.app(scope, receive, send_named)
 
 
 def serve(
-    app: Any, host: str, port: int, log_level: str = "info", front_door: FrontDoor | None = None
+    app: Any,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    front_door: FrontDoor | None = None,
+    log_format: str = "text",
+    service: str = "kvsp",
 ) -> None:
     """Run ``app`` until the process is stopped, as ``uvicorn.run`` would: a server that could
     not start (its port taken) ends the process with uvicorn's startup-failure status."""
-    configure_logs(log_level)
-    server = uvicorn.Server(uvicorn_config(app, host, port, log_level, front_door=front_door))
+    configure_logs(log_level, log_format, service)
+    server = uvicorn.Server(
+        uvicorn_config(RequestContext(app), host, port, log_level, front_door=front_door)
+    )
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
     if not server.started:
