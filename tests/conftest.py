@@ -59,3 +59,18 @@ def engine(model_files: Any) -> Any:
     from kvsp.instance.engine import Engine
 
     return Engine(model_files)
+
+
+@pytest.fixture(scope="session")
+def operated_cluster(tmp_path_factory: pytest.TempPathFactory, model_files: Any) -> Any:
+    """A ``kvsp up`` cluster of one instance that operations tests share (probes, metrics,
+    dashboards): each leaves it as it found it."""
+    from kvsp.local import LocalCluster
+
+    up = LocalCluster(tmp_path_factory.mktemp("operated") / "c", instances=1, g1_blocks=32,
+                      g2_bytes="16M", kv_events=None)  # fmt: skip
+    up.start()
+    try:
+        yield up
+    finally:
+        up.stop()

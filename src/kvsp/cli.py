@@ -561,12 +561,14 @@ def controller_serve_command(
     if frontend:
         from kvsp.frontend.app import frontend_ops
         from kvsp.frontend.controllers import InProcessController
+        from kvsp.frontend.metrics import FrontEndMetrics
         from kvsp.frontend.service import load_frontend
         from kvsp.model import installed
 
         files = installed(None, block_tokens)
         local = InProcessController(service)
-        front = load_frontend(local, config.tenants, files, config.instance_token)
+        metrics = FrontEndMetrics(service.metrics.registry)
+        front = load_frontend(local, config.tenants, files, config.instance_token, metrics)
         more, closing = frontend_ops(front, BODY_OCTETS), [front.aclose]
     query_text = text_tokenizer(lambda: installed(None, block_tokens))
     app = create_app(service, principals, more, closing, query_text)
@@ -583,6 +585,10 @@ def frontend_serve_command(
         Path | None,
         typer.Option("--token-file", help="the front end's token for controllers and instances"),
     ] = None,
+    auth: Annotated[
+        Path | None,
+        typer.Option("--auth", help="principals file: who may read GET metrics (role metrics)"),
+    ] = None,
     host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 9080,
     block_tokens: Annotated[int, typer.Option("--block-tokens", min=1)] = 16,
@@ -592,41 +598,19 @@ def frontend_serve_command(
 ) -> None:
     """Run the OpenAI-compatible front end on HOST:PORT under /kvsp/v1/, placing requests with
     whichever of the controllers leads (a controller's death does not cut a stream)."""
-    from starlette.applications import Starlette
-
-    from kvsp.controller.app import BODY_OCTETS
-    from kvsp.frontend.app import frontend_ops
+    from kvsp.frontend.app import create_app
     from kvsp.frontend.controllers import RemoteController
-    from kvsp.frontend.service import load_frontend, log
+    from kvsp.frontend.service import load_frontend
     from kvsp.model import installed, system_prefix
     from kvsp.tenants import Tenants
-    from kvsp.web.openapi import ANYONE, HEALTH, Op, routes_of
-    from kvsp.web.probes import probe_ops
-    from kvsp.web.server import install_problem_handlers, json_response, lifespan_of
 
     token = _read_token(token_file)
     files = installed(None, block_tokens)
     parsed = Tenants.load(tenants, system_prefix(files))
+    principals = _principals(auth, host)
     controllers = RemoteController(controller, token)
-    front = load_frontend(controllers, parsed, files, token)
-
-    async def healthz(_: object) -> object:
-        return json_response(b'{"status":"ok"}')
-
-    async def started() -> None:
-        return None
-
-    async def readiness() -> list[str]:
-        return await controllers.first_ready()
-
-    ops = [*frontend_ops(front, BODY_OCTETS), *probe_ops("frontend", readiness),
-           Op("GET", "healthz", healthz, "liveness", ANYONE, answers={200: HEALTH})]  # fmt: skip
-    app = Starlette(
-        routes=routes_of("/kvsp/", "kvsp front end", ops, Principals({})),  # API keys only
-        lifespan=lifespan_of(started, front.aclose),
-    )
-    install_problem_handlers(app, log, lambda _: None)
-    _serve(app, Principals({}), "frontend", host, port, log_level, log_format, http_limit)
+    app = create_app(load_frontend(controllers, parsed, files, token), controllers, principals)
+    _serve(app, principals, "frontend", host, port, log_level, log_format, http_limit)
 
 
 @model_app.command("install")

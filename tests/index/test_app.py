@@ -260,7 +260,8 @@ async def test_health_and_metrics(http: httpx.AsyncClient, clock: ManualClock) -
     }
     assert lines[f'kvsp_index_records{{scope="{SCOPE_A}"}}'] == "1.0"
     assert lines["kvsp_index_lookups_total"] == "1.0"
-    assert lines["kvsp_index_hit_ratio"] == "0.5"
+    assert lines["kvsp_index_lookup_hits_total"] == "2.0"
+    assert lines["kvsp_index_lookup_keys_total"] == "4.0"
     assert lines['kvsp_index_lookup_matched_blocks_bucket{le="2.0"}'] == "1.0"
     assert lines["kvsp_index_expired_records"] == "1.0"
     assert (

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -18,7 +17,6 @@ from starlette.testclient import TestClient
 from kvsp.auth import Principals
 from kvsp.core.problems import NotReady
 from kvsp.local import LocalCluster
-from kvsp.model import ModelFiles
 from kvsp.web.openapi import routes_of
 from kvsp.web.probes import probe_ops
 from tests.servers import RedisServer, Service, running
@@ -56,19 +54,10 @@ def test_readyz_answers_once_per_change_in_the_log(caplog: pytest.LogCaptureFixt
     assert lines == ["t not ready: the store does not answer", "t ready"]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, model_files: ModelFiles) -> Iterator[Any]:
-    up = LocalCluster(tmp_path_factory.mktemp("probes") / "c", instances=1, g1_blocks=32,
-                      g2_bytes="16M", kv_events=None)  # fmt: skip
-    up.start()
-    try:
-        yield up
-    finally:
-        up.stop()
-
-
-def test_every_service_is_live_and_ready_and_a_drained_instance_is_not(cluster: Any) -> None:
-    up: LocalCluster = cluster
+def test_every_service_is_live_and_ready_and_a_drained_instance_is_not(
+    operated_cluster: Any,
+) -> None:
+    up: LocalCluster = operated_cluster
     instance = up.instance_processes[0].url
     with httpx.Client(timeout=10) as http:
         for process in up.processes:

@@ -1,6 +1,7 @@
 """The front end's routes: ``v1/completions``, ``v1/chat/completions`` and ``v1/models``,
 added to the controller's app by whoever serves them together (``kvsp controller serve
---frontend``)."""
+--frontend``), or served on their own before several controllers (``create_app``: ``kvsp
+frontend serve``)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,26 @@ import json
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from kvsp.auth import Principals
 from kvsp.core.problems import InvalidInput
-from kvsp.frontend.service import CompletionRequest, FrontEnd
-from kvsp.web.openapi import ANYONE, Op
-from kvsp.web.server import header_value, read_json_body
+from kvsp.frontend.controllers import RemoteController
+from kvsp.frontend.service import CompletionRequest, FrontEnd, log
+from kvsp.web.openapi import ANYONE, HEALTH, METRICS_ROLES, Op, routes_of
+from kvsp.web.probes import probe_ops
+from kvsp.web.server import (
+    header_value,
+    install_problem_handlers,
+    json_response,
+    lifespan_of,
+    read_json_body,
+)
 
-__all__ = ["frontend_ops"]
+__all__ = ["create_app", "frontend_ops"]
 
 T = TypeVar("T")
 
@@ -72,3 +84,34 @@ def frontend_ops(frontend: FrontEnd, body_octets: int) -> list[Op]:
            own, CompletionRequest, {200: answer}, api_key=True),
         Op("GET", "v1/models", models, "the model served", ANYONE, answers={200: answer}),
     ]  # fmt: skip
+
+
+def create_app(
+    frontend: FrontEnd, controllers: RemoteController, principals: Principals
+) -> Starlette:
+    """The front end on its own: its routes, probes (ready when a controller is), health and
+    metrics (``principals`` say who may read them; completions take tenants' API keys)."""
+    from kvsp.controller.app import BODY_OCTETS
+
+    async def healthz(_: Request) -> Response:
+        return json_response(b'{"status":"ok"}')
+
+    async def metrics(_: Request) -> Response:
+        return Response(generate_latest(frontend.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def started() -> None:
+        return None
+
+    ops = [
+        *frontend_ops(frontend, BODY_OCTETS),
+        *probe_ops("frontend", controllers.first_ready),
+        Op("GET", "healthz", healthz, "liveness", ANYONE, answers={200: HEALTH}),
+        Op("GET", "metrics", metrics, "Prometheus text", METRICS_ROLES,
+           answers={200: "text/plain"}),
+    ]  # fmt: skip
+    app = Starlette(
+        routes=routes_of("/kvsp/", "kvsp front end", ops, principals),
+        lifespan=lifespan_of(started, frontend.aclose),
+    )
+    install_problem_handlers(app, log, lambda _: None)
+    return app

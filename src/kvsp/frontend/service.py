@@ -44,7 +44,8 @@ from kvsp.core.problems import InvalidInput, KvspError, ServiceUnavailable, Unau
 from kvsp.core.records import Sampler, SessionName
 from kvsp.core.urls import canonical_url
 from kvsp.frontend.controllers import Controller, Placed
-from kvsp.model import MODEL_NAME, ModelBounds, ModelFiles
+from kvsp.frontend.metrics import FrontEndMetrics
+from kvsp.model import SERVED_MODEL_NAME, ModelBounds, ModelFiles
 from kvsp.tasks import Background
 from kvsp.tenants import Tenant, Tenants
 from kvsp.web.client import KEEPALIVE_EXPIRY_S, auth_headers, carry_request_ids
@@ -157,8 +158,10 @@ class FrontEnd:
         bounds: ModelBounds,
         instance_token: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        metrics: FrontEndMetrics | None = None,
     ) -> None:
         self.controller = controller
+        self.metrics = metrics or FrontEndMetrics()
         self.tenants = tenants
         #: calls to the controller that nobody waits for (a client that went away)
         self._later = Background(log, logging.INFO)
@@ -284,6 +287,8 @@ class FrontEnd:
         epoch = int(body["epoch"])
         first = True
         abandoned = False
+        finish = "error"
+        last_token_at = started
         try:
             while True:
                 if first:
@@ -308,6 +313,7 @@ class FrontEnd:
                                     raise ServiceUnavailable(f"generation failed: {doc['error']}")
                                 if first:
                                     turn.cached_tokens = int(doc.get("cached_tokens", 0))
+                                finish = turn.finish_reason
                                 return
                             if doc["epoch"] < epoch:
                                 turn.discarded += 1
@@ -318,9 +324,14 @@ class FrontEnd:
                                 continue
                             turn.tokens.append(doc["token"])
                             turn.epochs.append(epoch)
+                            now = time.perf_counter()
                             if turn.ttft_s is None:
-                                turn.ttft_s = time.perf_counter() - started
+                                turn.ttft_s = now - started
+                                self.metrics.ttft.labels(tenant.name).observe(turn.ttft_s)
                                 self._report_ttft(tenant, placement, turn.ttft_s)
+                            else:
+                                self.metrics.itl.labels(tenant.name).observe(now - last_token_at)
+                            last_token_at = now
                             if doc["token"] in self.stop_ids:
                                 turn.finish_reason = "stop"
                             yield doc["token"]
@@ -331,8 +342,11 @@ class FrontEnd:
                     first = False
         except (GeneratorExit, asyncio.CancelledError):
             abandoned = True  # the client went away: the instance stops generating
+            finish = "abandoned"
             raise
         finally:
+            self.metrics.turn(tenant.name, turn.prompt_tokens, turn.cached_tokens,
+                              len(turn.tokens), finish)  # fmt: skip
             if not abandoned:
                 await self._turn_done(tenant, turn, request)
             elif request.session is None:
@@ -461,7 +475,11 @@ class FrontEnd:
 
 
 def load_frontend(
-    controller: Controller, tenants: Tenants, files: ModelFiles, instance_token: str | None = None
+    controller: Controller,
+    tenants: Tenants,
+    files: ModelFiles,
+    instance_token: str | None = None,
+    metrics: FrontEndMetrics | None = None,
 ) -> FrontEnd:
     """A front end for the installed model: its tokenizer and chat template, its
     Compatibility ID, its end-of-sequence tokens."""
@@ -475,8 +493,9 @@ def load_frontend(
         tenants,
         cast(Tokenizer, tokenizer),  # HF's signatures are wider than what we call
         files.compat_id.hex(),
-        MODEL_NAME.lower(),
+        SERVED_MODEL_NAME,
         stop,
         files.bounds,
         instance_token,
+        metrics=metrics,
     )

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import (
     CounterMetricFamily,
-    GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
@@ -69,6 +68,10 @@ class _LookupStats:
         yield CounterMetricFamily(
             "kvsp_index_lookup_keys", "Block keys asked for", value=self.asked
         )
+        # a hit rate is rate(hits) / rate(keys): two counters, never a since-start ratio
+        yield CounterMetricFamily(
+            "kvsp_index_lookup_hits", "Block keys asked for and matched", value=self.hits
+        )
         cumulative = list(itertools.accumulate(self.buckets))
         yield HistogramMetricFamily(
             "kvsp_index_lookup_matched_blocks",
@@ -78,11 +81,6 @@ class _LookupStats:
                 ("+Inf", cumulative[-1]),
             ],
             sum_value=self.hits,
-        )
-        yield GaugeMetricFamily(
-            "kvsp_index_hit_ratio",
-            "Matched block keys / block keys asked for, since start",
-            value=self.hits / self.asked if self.asked else 0.0,
         )
 
 

@@ -75,6 +75,7 @@ from kvsp.index.client import IndexClient
 from kvsp.instance.config import InstanceConfig
 from kvsp.instance.controller_client import ControllerClient
 from kvsp.instance.engine import Engine, KvState
+from kvsp.instance.engine_metrics import EngineCounters, EngineLoad, EngineMetrics
 from kvsp.instance.events import EventPage
 from kvsp.instance.fair import FairWorker
 from kvsp.instance.generation import EngineRates, generate
@@ -94,7 +95,7 @@ from kvsp.kvevents.publisher import (
     PublisherMetrics,
     epoch_seq,
 )
-from kvsp.model import ModelFiles, installed
+from kvsp.model import SERVED_MODEL_NAME, ModelFiles, installed
 from kvsp.tasks import Wakeup, cancel_all
 
 __all__ = ["InstanceService"]
@@ -205,6 +206,10 @@ class InstanceService:
         self.rates = EngineRates()
         #: the engine's one thread, shared fairly between tenants
         self.engine_thread = FairWorker("kvsp-engine")
+        self.counters = EngineCounters()
+        self.holder.registry.register(
+            EngineMetrics(self.counters, self.engine_now, SERVED_MODEL_NAME)
+        )
         self._idle_since = time.monotonic()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -286,6 +291,11 @@ class InstanceService:
         if self.state is not InstanceState.ACTIVE:
             reasons.append(f"the instance is {self.state.value}")
         return reasons
+
+    def engine_now(self) -> EngineLoad:
+        """The engine's queue and pages now (the ``vllm:`` gauges)."""
+        queued, batch = self.engine_load()
+        return EngineLoad(queued, batch, self.kv_utilization())
 
     def running(self) -> int:
         return sum(1 for s in self.sessions.values() if not s.done)
@@ -463,6 +473,7 @@ class InstanceService:
             else KvState()
         )
         self._admit(session)
+        self.counters.prompt(len(tokens), session.cached)
         rest = list(tokens[len(state) :])
         self._spawn(self._run(session, state, rest, 0))
 
@@ -551,6 +562,7 @@ class InstanceService:
             await self._checkpoint(session, last=True)
         # done only once the last checkpoint released what it covers: a reader woken meanwhile
         # (by another checkpoint's answer) must not take the session for over and stop short
+        self.counters.finish(len(session.generated), session.cancelled is not None)
         session.done = True
         session.notify()
 
