@@ -137,7 +137,13 @@ FRAMEWORKS = (
 )  # fmt: skip
 PURE_MODULES = sorted(
     {_module_name(p) for p in [*CORE.glob("*.py"), *STATE_MODULES]}
-    | {"kvsp.auth", "kvsp.quotas", "kvsp.instance.session_index", "kvsp.controller.hints"}
+    | {
+        "kvsp.auth",
+        "kvsp.quotas",
+        "kvsp.instance.session_index",
+        "kvsp.controller.hints",
+        "kvsp.web.context",
+    }
 )
 
 

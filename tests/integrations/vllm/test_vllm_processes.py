@@ -172,8 +172,14 @@ def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
 async def test_a_second_vllm_process_gets_its_prefix_from_kvsp_for_its_tenant_only(
     cluster: Cluster, model_files: ModelFiles
 ) -> None:
-    (first,) = await offline(cluster, model_files, [LONG])  # tenant acme
+    first, stored = await offline(cluster, model_files, [LONG], options={"metrics": True})
     assert first["cached_tokens"] == 0
+    # the connector's counts in vLLM's own Prometheus series (its KV-connector stats; vLLM's
+    # reader names a counter without the _total its /metrics text adds)
+    # 300 prompt and 16 output tokens: 19 whole blocks
+    assert stored["metrics"]["vllm:kvsp_blocks_stored"] == 19
+    block_octets = stored["metrics"]["vllm:kvsp_bytes_stored"] / 19
+    assert stored["metrics"]["vllm:kvsp_blocks_loaded"] == 0
 
     def asking(tenant: str | None) -> dict[str, Any]:
         params = None if tenant is None else {"kvsp": {"tenant": tenant}}
@@ -186,7 +192,12 @@ async def test_a_second_vllm_process_gets_its_prefix_from_kvsp_for_its_tenant_on
         [asking("acme"), asking("other"), asking(None), asking("nobody")],
         request_tenants=True,
         tenant=None,
+        options={"metrics": True},
     )
+    counts = answers.pop()["metrics"]
+    assert counts["vllm:kvsp_blocks_loaded"] == 18  # acme's 288 tokens
+    assert counts["vllm:kvsp_bytes_loaded"] <= 18 * block_octets
+    assert counts["vllm:kvsp_load_failures"] == 0
     hit = answers[0]
     assert hit["cached_tokens"] == 288  # every whole block but the one of the last token
     assert hit["kv_transfer_params"] == {"kvsp": {"loaded_tokens": 288}}

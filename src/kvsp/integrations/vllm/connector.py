@@ -42,6 +42,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -75,6 +81,7 @@ from kvsp.integrations.vllm.plans import (
     fetch_ranges,
 )
 from kvsp.integrations.vllm.settings import ConnectorSettings
+from kvsp.integrations.vllm.stats import ConnectorTally, KVSPConnectorStats, KVSPPromMetrics
 from kvsp.integrations.vllm.stored import HolderPages
 from kvsp.kvevents.wire import external_hash
 
@@ -280,6 +287,8 @@ class KVSPConnector(KVConnectorBase_V1):
         self._save_lock = threading.Lock()
         #: hashes of the blocks stored at the holder since the last report to the scheduler
         self._stored: list[int] = []
+        #: what this worker loaded and stored, for vLLM's ``/metrics`` (``stats.py``)
+        self._tally = ConnectorTally()
         if role == KVConnectorRole.SCHEDULER:
             self._warm()
 
@@ -442,6 +451,26 @@ class KVSPConnector(KVConnectorBase_V1):
             stored, self._stored = self._stored, []
         return HolderStores(stored, self.block_tokens) if stored else None
 
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This worker's loads and stores since its last report (vLLM's ``/metrics``)."""
+        return self._tally.take()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KVSPConnectorStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVSPPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -556,6 +585,7 @@ class KVSPConnector(KVConnectorBase_V1):
             if taken is not None:
                 buffer, octets = taken
                 run.buffers.append(buffer)
+                self._tally.add(blocks_loaded=1, bytes_loaded=octets, blocks_loaded_locally=1)
                 if run.live(plan, index):
                     run.hand_over(0, g.layers - 1, page, offset, buffer[:octets])
                 else:
@@ -583,14 +613,19 @@ class KVSPConnector(KVConnectorBase_V1):
                         raise ContainerError(f"layers {first}-{last} did not all come")
                     end = start + (got - first) * 2 * self._section_octets
                     run.hand_over(first, last, page, offset, buffer[start:end])
+                    self._tally.add(bytes_loaded=end - start)
                     done = got
+                self._tally.add(blocks_loaded=1)
                 return
             except _Abandoned:
                 break
             except KvspError as exc:
                 log.warning("block %s from %s not loaded: %s", load.key[:16], record.holder, exc)
                 if done == g.layers:  # every layer matched its layer digest and is handed over
+                    self._tally.add(blocks_loaded=1)
                     return
+        else:  # no holder served it intact (an abandoned request's block is no failure)
+            self._tally.add(load_failures=1)
         run.fail(plan, index)
         if done < g.layers:
             run.settled(done, g.layers - 1)
@@ -724,7 +759,9 @@ class KVSPConnector(KVConnectorBase_V1):
             pass
         except KvspError as exc:
             log.warning("block %s not saved at %s: %s", block[2][:16], holder, exc)
+            self._tally.add(store_failures=1)
             return
+        self._tally.add(blocks_stored=1, bytes_stored=container.size)
         if holder == self.settings.holder_url:
             with self._save_lock:
                 self._stored.append(external_hash(bytes.fromhex(block[2])))

@@ -7,6 +7,8 @@ connector benchmark drive vLLM in processes of their own. ``SPEC.json``::
     {"model_dir": "...", "connector": "KVSPConnector" | "ExampleConnector" | null,
      "extra_config": {...}, "max_tokens": 16, "block_size": 128, "kv_cache_gib": 1,
      "prefix_caching": false, "kv_events": "ipc://..." (vLLM's KV events, for the connector),
+     "metrics": false (true: a last line {"metrics": {name: value}} of vLLM's Prometheus
+     series, the connector's ``vllm:kvsp_*`` among them),
      "prompts": [[token ids] | {"tokens": [...], "kv_transfer_params": {...},
                                 "session_id": "...", "kv_hints": {envelope}}, ...]}
 
@@ -59,6 +61,7 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
         ),
         seed=0,
         distributed_executor_backend="uni",
+        disable_log_stats=not spec.get("metrics", False),
     )
     from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 
@@ -100,6 +103,12 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 "kv_transfer_params": result.kv_transfer_params,
             }
         )
+    if spec.get("metrics", False):  # vLLM's own Prometheus series, as its /metrics has them
+        totals: dict[str, float] = {}
+        for metric in llm.get_metrics():
+            if isinstance(getattr(metric, "value", None), int | float):
+                totals[metric.name] = totals.get(metric.name, 0) + metric.value  # type: ignore[attr-defined]
+        out.append({"metrics": totals})
     llm.llm_engine.engine_core.shutdown()  # the connector's saves in flight finish first
     return out
 
