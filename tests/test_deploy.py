@@ -101,3 +101,103 @@ def test_every_query_names_a_series_the_running_services_export(operated_cluster
     assert len(queries) >= 20
     unknown = {q: series_named(q) - names for q in queries if series_named(q) - names}
     assert unknown == {}
+
+
+KUBERNETES = DEPLOY / "kubernetes" / "base"
+#: kinds of the Prometheus Operator, whose schemas are CRDs (not Kubernetes' own)
+OPERATOR_KINDS = {"PodMonitor", "PrometheusRule"}
+
+
+def kustomized() -> list[dict[str, Any]]:
+    """The base's resources, every document of every file it lists."""
+    kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
+    listed = kustomization["resources"]
+    on_disk = sorted(p.name for p in KUBERNETES.glob("*.yaml") if p.name != "kustomization.yaml")
+    assert sorted(listed) == on_disk  # nothing left out, nothing missing
+    return [d for name in listed for d in yaml.safe_load_all((KUBERNETES / name).read_text()) if d]
+
+
+def containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return (
+        doc["spec"]["template"]["spec"]["containers"] if "template" in doc.get("spec", {}) else []
+    )
+
+
+def test_the_kubernetes_manifests_are_valid_against_the_kubernetes_schemas() -> None:
+    import kubernetes_validate
+
+    docs = kustomized()
+    version = kubernetes_validate.latest_version()
+    for doc in docs:
+        if doc["kind"] in OPERATOR_KINDS:
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+            continue
+        kubernetes_validate.validate(doc, version, strict=True)
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert ("StatefulSet", "kvsp-holder") in kinds
+    assert ("StatefulSet", "kvsp-redis") in kinds
+    assert {("Secret", "kvsp-principals"), ("Secret", "kvsp-tenants")} <= kinds
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    assert rule["spec"]["groups"] == yaml.safe_load(ALERTS.read_text())["groups"]
+
+
+def test_every_kvsp_container_probes_livez_and_readyz_and_mounts_what_it_names() -> None:
+    docs = kustomized()
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    for doc in docs:
+        for container in containers(doc):
+            if container["image"] != "kvsp":
+                continue
+            assert container["livenessProbe"]["httpGet"]["path"] == "/kvsp/livez"
+            assert container["readinessProbe"]["httpGet"]["path"] == "/kvsp/readyz"
+            volumes = {v["name"]: v for v in doc["spec"]["template"]["spec"]["volumes"]}
+            claims = {c["metadata"]["name"] for c in doc["spec"].get("volumeClaimTemplates", [])}
+            for mount in container["volumeMounts"]:
+                assert mount["name"] in volumes.keys() | claims, mount
+            mounts = {m["mountPath"]: volumes.get(m["name"], {}) for m in container["volumeMounts"]}
+            for arg in container["args"]:
+                if arg.startswith("/etc/kvsp/"):
+                    folder, _, file = arg.rpartition("/")
+                    secret = mounts[folder]["secret"]
+                    keys = [i["key"] for i in secret.get("items", [])] or list(
+                        secrets[secret["secretName"]]["stringData"]
+                    )
+                    assert file in keys, (doc["metadata"]["name"], arg)
+
+
+def test_every_kvsp_container_runs_a_command_line_kvsp_accepts() -> None:
+    import typer.main
+
+    from kvsp.cli import app
+
+    for doc in kustomized():
+        for container in containers(doc):
+            if container["image"] != "kvsp":
+                continue
+            command: Any = typer.main.get_command(app)
+            args = list(container["args"])
+            ctx = command.make_context("kvsp", args)
+            while hasattr(command, "resolve_command"):  # a group: down to its subcommand
+                _, command, rest = command.resolve_command(ctx, [*ctx._protected_args, *ctx.args])
+                ctx = command.make_context(command.name, rest, parent=ctx)
+            assert not ctx.args, (doc["metadata"]["name"], ctx.args)
+
+
+def test_the_dockerfile_installs_with_the_readme_s_make_targets() -> None:
+    """One source of truth: the image is set up by the Makefile target the README's two
+    commands begin with, never by install steps of its own."""
+    root = DEPLOY.parent
+    dockerfile = (root / "Dockerfile").read_text()
+    runs = [line for line in dockerfile.splitlines() if line.startswith("RUN ")]
+    assert any("make setup" in run for run in runs)
+    assert not any(re.search(r"\bpip\b|\buv\b", run) for run in runs if "rm -rf" not in run)
+    makefile = (root / "Makefile").read_text()
+    assert re.search(r"^demo: setup$", makefile, re.M)
+    assert re.search(r"^test: lint consumer-deps$", makefile, re.M)
+    assert re.search(r"^lint: setup$", makefile, re.M)
+    readme = (root / "README.md").read_text()
+    assert "make demo" in readme
+    assert "make test" in readme
+    for copied in re.findall(r"^COPY (.+) \S+$", dockerfile, re.M):
+        for name in copied.split():
+            assert list(root.glob(name)) or name.endswith("*"), name
