@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvsp-installed
 SRC    := src tests benchmarks
 
-.PHONY: setup system-deps consumer-deps bench-deps demo test lint bench
+.PHONY: setup system-deps consumer-deps browser-deps bench-deps demo test lint bench
 # NVIDIA Dynamo's KV indexer, a consumer of kvsp's KV events that kvsp's tests check against, in
 # an environment of its own (none of its pins touch kvsp's). Its dependency aisimulate cannot be
 # fetched and nothing used needs it: --no-deps. When the install fails, the test that needs it
@@ -44,6 +44,12 @@ $(DYNAMO_STAMP):
 
 consumer-deps: $(DYNAMO_STAMP)
 
+# Debian's Chromium, for the cluster page's browser test (only the test command needs it)
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		  apt-get install -y -qq chromium >/dev/null; }
+
 setup: $(STAMP) system-deps
 	$(VENV)/bin/kvsp model install >/dev/null
 
@@ -55,7 +61,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check $(SRC)
 	$(VENV)/bin/mypy
 
-test: lint consumer-deps
+test: lint consumer-deps browser-deps
 	$(VENV)/bin/pytest
 
 bench-deps: setup

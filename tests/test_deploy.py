@@ -193,7 +193,7 @@ def test_the_dockerfile_installs_with_the_readme_s_make_targets() -> None:
     assert not any(re.search(r"\bpip\b|\buv\b", run) for run in runs if "rm -rf" not in run)
     makefile = (root / "Makefile").read_text()
     assert re.search(r"^demo: setup$", makefile, re.M)
-    assert re.search(r"^test: lint consumer-deps$", makefile, re.M)
+    assert re.search(r"^test: lint consumer-deps browser-deps$", makefile, re.M)
     assert re.search(r"^lint: setup$", makefile, re.M)
     readme = (root / "README.md").read_text()
     assert "make demo" in readme

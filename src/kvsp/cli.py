@@ -901,6 +901,7 @@ def _announce(cluster: LocalCluster) -> None:
     lines = [
         "kvsp is up",
         f"  OpenAI base URL  {base}",
+        f"  cluster page     {cluster.cluster_page}",
         *(f"  API key          {key}  (tenant {name})" for name, key in cluster.api_keys.items()),
         *(f"  controller       {p.url}" for p in cluster.controller_processes),
         f"  operator token   {info['operator_token']}",

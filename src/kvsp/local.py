@@ -375,6 +375,12 @@ class LocalCluster:
     def instance_processes(self) -> list[Process]:
         return self._named("instance")
 
+    @property
+    def cluster_page(self) -> str:
+        """The live cluster page's URL, with the operator's token in its fragment (which the
+        browser keeps to itself)."""
+        return f"{self.controller.url}ui/#token={self.operator_token}"
+
     def describe(self) -> dict[str, object]:
         return {
             "index": self.index.url,
@@ -383,6 +389,7 @@ class LocalCluster:
             "state": "memory" if self.redis is None else self.redis.url,
             "holder": self.holder.url,
             "openai_base_url": self.frontend.url + "v1",
+            "cluster_page": self.cluster_page,
             "instances": [p.url for p in self.instance_processes],
             "api_key": self.api_key,
             "api_keys": self.api_keys,

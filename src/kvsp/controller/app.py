@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from importlib import resources
 from typing import Annotated, Any, Self
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -111,6 +112,27 @@ class ReshardRequest(Record):
 
 def _json(doc: Any, status: int = 200) -> Response:
     return json_response(json.dumps(doc).encode(), status)
+
+
+#: the cluster page's files (shipped in the package: no CDN) and their media types
+_PAGE = {"": "text/html; charset=utf-8", "ui.js": "text/javascript; charset=utf-8",
+         "ui.css": "text/css; charset=utf-8"}  # fmt: skip
+
+
+def page_ops() -> list[Op]:
+    """``GET ui/`` and its script and style: static, open to anyone (the data they show comes
+    from ``GET ui/state``, with the operator's token)."""
+    folder = resources.files("kvsp.controller") / "ui"
+    ops = []
+    for name, media in _PAGE.items():
+        octets = (folder / (name or "index.html")).read_bytes()
+
+        async def serve(_: Request, octets: bytes = octets, media: str = media) -> Response:
+            return Response(octets, media_type=media, headers={"cache-control": "no-cache"})
+
+        ops.append(Op("GET", "ui/" + name, serve, "the live cluster page", ANYONE,
+                      answers={200: "text/html" if not name else media.split(";")[0]}))  # fmt: skip
+    return ops
 
 
 def create_app(
@@ -250,6 +272,9 @@ def create_app(
     async def healthz(_: Request) -> Response:
         return _json({"status": "ok", **service.lead_view()})
 
+    async def cluster_state(_: Request) -> Response:
+        return _json(service.cluster_view())
+
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -300,6 +325,12 @@ def create_app(
         Op("POST", "shards/{map}/reshard", reshard, "reshard a map (KVSP 6.9)", pc,
            body=ReshardRequest, answers={200: {"type": "object"}}),
         *probe_ops("controller", service.readiness),
+        *page_ops(),
+        Op("GET", "ui/state", cluster_state, "what the cluster page shows", pc,
+           answers={200: obj(["instances", "sessions", "placements", "hit_rates", "hints"],
+                             instances={"type": "array"}, sessions={"type": "array"},
+                             placements={"type": "array"}, hit_rates={"type": "object"},
+                             hints={"type": "array"})}),
         Op("GET", "healthz", healthz, "liveness", ANYONE, answers={200: HEALTH}),
         Op("GET", "metrics", metrics, "Prometheus text", METRICS_ROLES,
            answers={200: "text/plain"}),

@@ -35,6 +35,7 @@ from kvsp.controller.instances import InstancePolicy, InstanceTable
 from kvsp.controller.leadership import Leadership
 from kvsp.controller.metrics import ControllerMetrics
 from kvsp.controller.overlap import prefix_report
+from kvsp.controller.overview import PlacementLog
 from kvsp.controller.placement import (
     Decision,
     Outcome,
@@ -95,6 +96,8 @@ log = logging.getLogger("kvsp.controller")
 OPERATOR_ROLES = (Role.CONTROLLER, Role.FRONTEND, Role.CLIENT)
 #: Decisions whose measured TTFT may still be reported.
 MAX_PREDICTIONS = 65_536
+#: sessions the cluster page lists (the latest used)
+UI_SESSIONS = 50
 
 
 #: Block Keys derived on the event loop at most (about 2 us each); more go to a thread
@@ -203,6 +206,8 @@ class ControllerService:
         self.launcher = launcher
         #: the last placement costs per instance, for ``GET instances``
         self.last_costs: dict[str, dict[str, Any]] = {}
+        #: the last placements and per-tenant reuse, for the cluster page (``GET ui/state``)
+        self.placement_log = PlacementLog()
         self._tasks: list[asyncio.Task[None]] = []
         #: work beside the request that caused it (hints, session ends at instances)
         self._later = Background(log)
@@ -413,11 +418,32 @@ class ControllerService:
                     "running": i.status.running,
                     "queued": i.status.queued,
                     "kv_utilization": i.status.kv_utilization,
+                    "g2_utilization": i.status.g2_utilization,
                     "status_expires_in_ms": max(0, i.expires_at - now),
                     "last_placement": self.last_costs.get(i.url),
                 }
             )
         return out
+
+    def cluster_view(self) -> dict[str, Any]:
+        """Everything the live cluster page shows (``GET ui/state``): instances, the latest
+        sessions, the last placements with their candidates' cost terms, per-tenant reuse,
+        and the KvHint outcomes so far."""
+        hints = [
+            {"action": s.labels["action"], "outcome": s.labels["outcome"], "count": s.value}
+            for family in self.metrics.hint_outcomes.collect()
+            for s in family.samples
+            if s.name.endswith("_total")
+        ]
+        return {
+            "controller": self.config.url,
+            "at_ms": self.clock.now_ms(),
+            "instances": self.instance_view(),
+            "sessions": [s.to_json() for s in self.sessions.latest(UI_SESSIONS)],
+            "placements": self.placement_log.recent(),
+            "hit_rates": self.placement_log.hit_rates(),
+            "hints": hints,
+        }
 
     # -- placement -----------------------------------------------------------------------------
 
@@ -554,7 +580,9 @@ class ControllerService:
                     "chosen": c.instance == decision.instance,
                 }
         decision_id = str(uuid.uuid4())
-        log.info("placement %s %s", decision_id, decision.to_json())
+        decided = decision.to_json()
+        log.info("placement %s %s", decision_id, decided)
+        self.placement_log.record(self.clock.now_ms(), tenant.name, len(keys), decided)
         changes: list[Change] = []
         if chosen is not None:
             self._predictions[decision_id] = chosen.cost_us

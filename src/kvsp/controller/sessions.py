@@ -127,6 +127,15 @@ class SessionTable:
         self._sessions.move_to_end(session)
         return found
 
+    def latest(self, count: int) -> list[Session]:
+        """The ``count`` sessions used last, the latest first."""
+        out: list[Session] = []
+        for session in reversed(self._sessions.values()):
+            if len(out) == count:
+                break
+            out.append(session)
+        return out
+
     def get_for(self, principal: Principal, session: str) -> Session:
         """``session``, if ``principal`` may see its scope; ``NotFound`` otherwise, the same
         answer as for a session nobody has (its existence is its tenant's business)."""

@@ -364,6 +364,9 @@ class InstanceStatusRecord(Record):
     #: device, element type, threads); two instances produce bit-identical tokens from one
     #: state only if they report the same identity (KVSP 4.4 ``sampler.deterministic``)
     engine: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
+    #: extension member: the share of the instance's G2 (host tier) in use, as
+    #: ``kv_utilization`` is its G1's (what the cluster page shows)
+    g2_utilization: Annotated[StrictFloat | StrictInt, Field(ge=0, le=1)] | None = None
     _links_by_holder: dict[str, Link] | None = PrivateAttr(default=None)
 
     @field_validator("links")

@@ -334,8 +334,14 @@ class InstanceService:
                 "ttl_ms": self.config.status_ttl_ms,
                 "requested_state": InstanceState.SLEEPING if self._wants_sleep() else None,
                 "engine": self.engine_identity,
+                "g2_utilization": self.g2_utilization(),
             }
         )
+
+    def g2_utilization(self) -> float:
+        """The share of the holder's host tier (G2) in use."""
+        capacity = self.holder.capacities.get("host", 0)
+        return min(1.0, self.holder.store.used().get("host", 0) / capacity) if capacity else 0.0
 
     def _wants_sleep(self) -> bool:
         """Idle for ``sleep_after_s`` (KVSP 6.3: an instance MAY ask to sleep)."""
