@@ -87,6 +87,7 @@ from kvsp.core.urls import canonical_url
 from kvsp.index.client import IndexClient
 from kvsp.tasks import Background, KeyedLocks, cancel_all
 from kvsp.tenants import Tenant, Tenants
+from kvsp.web import tracing
 
 __all__ = ["ControllerConfig", "ControllerService", "Launcher", "Placement"]
 
@@ -564,11 +565,12 @@ class ControllerService:
                 sampler=sampler or Sampler(method="greedy", deterministic=True),
                 last_block=last_block,
             )
-        active = [i.status for i in self.instances.active()]
-        sleeping = [i.status for i in self.instances.sleeping()]
-        lookup = await self._lookup(request, [s.instance for s in active + sleeping])
-        decision = place(request, lookup, active, sleeping, self.config.placement)
-        decision = await self._act_on(decision, request, lookup)
+        with tracing.span("kvsp.placement", tenant=tenant.name, blocks=len(keys)):
+            active = [i.status for i in self.instances.active()]
+            sleeping = [i.status for i in self.instances.sleeping()]
+            lookup = await self._lookup(request, [s.instance for s in active + sleeping])
+            decision = place(request, lookup, active, sleeping, self.config.placement)
+            decision = await self._act_on(decision, request, lookup)
         self.metrics.placements.labels(decision.outcome.value).inc()
         chosen = decision.chosen
         if chosen is not None:
@@ -598,7 +600,10 @@ class ControllerService:
         pays = chosen is None or chosen.uses_cache
         # a directive names one scope: a prompt with a shared prefix loads it itself
         if directive is not None and policy.prefetch and pays and not request.shared_blocks:
-            placement = await self._prefetch(placement, decision.instance, directive, wait_prefetch)
+            with tracing.span("kvsp.prefetch", instance=decision.instance):
+                placement = await self._prefetch(
+                    placement, decision.instance, directive, wait_prefetch
+                )
         if first is None:
             await self._write(*changes)
             return placement

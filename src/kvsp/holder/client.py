@@ -42,6 +42,7 @@ from kvsp.core.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRec
 from kvsp.core.registries import BLOCK_MEDIA_TYPE, JSON_MEDIA_TYPE, SERVED_CODECS
 from kvsp.core.urls import canonical_url
 from kvsp.holder.blocks import MAX_BLOCK_OCTETS, BlockId, block_ref
+from kvsp.web import tracing
 from kvsp.web.client import ClosingClient, auth_headers, problem_for
 from kvsp.web.http1 import Http1Client, Response, Transport
 
@@ -370,7 +371,8 @@ class HolderClient(ClosingClient):
             self._receiving += 1
             try:
                 checks.done(await response.receive(sink, checks.arrived))
-                return await checks.result()
+                with tracing.span("kvsp.block.verify", octets=record.size):
+                    return await checks.result()
             finally:
                 self._receiving -= 1
                 checks.abandon()

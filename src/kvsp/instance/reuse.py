@@ -30,6 +30,7 @@ from kvsp.instance.kvpool import BlockRefs
 from kvsp.instance.links import LinkEstimates
 from kvsp.instance.session_kv import SessionKv
 from kvsp.instance.sessions import Session
+from kvsp.web import tracing
 
 __all__ = ["Reuse"]
 
@@ -135,7 +136,8 @@ class Reuse:
                 self._use(session, block)
             return found
 
-        out = await self.holder.call(read_local)
+        with tracing.span("kvsp.reuse.local", blocks=len(blocks)):
+            out = await self.holder.call(read_local)
         rest = blocks[len(out) :]
         runs = scope_runs(rest, session.chain.scope_of, len(out)) if self.index else []
         for _, part in runs:  # one lookup per scope: a shared prefix's first
@@ -171,7 +173,9 @@ class Reuse:
                     continue
                 try:
                     async with limit:
-                        return await self.fetch(record)
+                        with tracing.span("kvsp.block.get", holder=record.holder,
+                                          block=record.block_key):  # fmt: skip
+                            return await self.fetch(record)
                 except KvspError as exc:
                     log.info("block from %s not loaded: %s", record.holder, exc.detail)
             return None

@@ -34,6 +34,8 @@ class RequestIds:
     trace_id: str
     span_id: str
     sampled: bool = True
+    #: the caller's span (the ``traceparent`` it sent), if any
+    parent_id: str | None = None
 
     def traceparent(self) -> str:
         """The ``traceparent`` a call made while serving this request carries: this trace,
@@ -55,10 +57,11 @@ def request_ids(request_id: str | None, traceparent: str | None) -> RequestIds:
     rid = request_id if request_id is not None and _REQUEST_ID.fullmatch(request_id) else None
     parsed = _TRACEPARENT.fullmatch(traceparent.strip().lower()) if traceparent else None
     if parsed is not None and parsed[1] != _ZERO_TRACE and parsed[2] != _ZERO_SPAN:
-        trace_id, sampled = parsed[1], bool(int(parsed[3], 16) & 1)
+        trace_id, sampled, parent = parsed[1], bool(int(parsed[3], 16) & 1), parsed[2]
     else:
-        trace_id, sampled = secrets.token_hex(16), True
-    return RequestIds(rid or secrets.token_hex(8), trace_id, secrets.token_hex(8), sampled)
+        trace_id, sampled, parent = secrets.token_hex(16), True, None
+    span_id = secrets.token_hex(8)
+    return RequestIds(rid or secrets.token_hex(8), trace_id, span_id, sampled, parent)
 
 
 @contextmanager

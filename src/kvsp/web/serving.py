@@ -50,7 +50,7 @@ from kvsp.core.problems import (
     UriTooLong,
 )
 from kvsp.core.registries import PROBLEM_MEDIA_TYPE
-from kvsp.web import context
+from kvsp.web import context, tracing
 from kvsp.web.server import header_value
 
 __all__ = [
@@ -481,6 +481,10 @@ def configure_logs(log_level: str, log_format: str = "text", service: str = "kvs
         logger.propagate = False
 
 
+#: a path segment that names one thing (a key, a UUID, a Scope ID): span names keep the route
+_ID_SEGMENT = re.compile(r"/(?=[0-9a-fA-F-]{16,}(?:/|$))[0-9a-fA-F-]+")
+
+
 class RequestContext:
     """The ASGI app ``app`` with each HTTP request served under its ids
     (``kvsp.web.context``): its log lines and its calls to peers carry them, and the answer
@@ -503,7 +507,9 @@ class RequestContext:
                 message = {**message, "headers": [*message.get("headers", ()), named]}
             await send(message)
 
-        with context.using(ids):
+        name = f"{scope['method']} {_ID_SEGMENT.sub('/{id}', scope['path'])}"
+        with tracing.server_span(name, ids, **{"http.request.method": scope["method"],
+                                               "url.path": scope["path"]}):  # fmt: skip
             await self.app(scope, receive, send_named)
 
 
@@ -519,6 +525,7 @@ def serve(
     """Run ``app`` until the process is stopped, as ``uvicorn.run`` would: a server that could
     not start (its port taken) ends the process with uvicorn's startup-failure status."""
     configure_logs(log_level, log_format, service)
+    tracing.configure_tracing(service)
     server = uvicorn.Server(
         uvicorn_config(RequestContext(app), host, port, log_level, front_door=front_door)
     )
