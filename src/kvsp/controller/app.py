@@ -10,7 +10,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from importlib import resources
 from typing import Annotated, Any, Self
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -33,8 +32,8 @@ from kvsp.core.records import (
     StateAnswer,
     TokenId,
 )
-from kvsp.web.openapi import ANYONE, HEALTH, METRICS_ROLES, Op, obj, principal_of, routes_of
-from kvsp.web.probes import probe_ops
+from kvsp.web.openapi import ANYONE, HEALTH, Op, obj, principal_of, routes_of
+from kvsp.web.probes import metrics_op, probe_ops
 from kvsp.web.server import (
     install_problem_handlers,
     json_response,
@@ -275,9 +274,6 @@ def create_app(
     async def cluster_state(_: Request) -> Response:
         return _json(service.cluster_view())
 
-    async def metrics(_: Request) -> Response:
-        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
     base = "/kvsp/"
     pc = (Role.CONTROLLER,)
     operator = OPERATOR_ROLES
@@ -332,8 +328,7 @@ def create_app(
                              placements={"type": "array"}, hit_rates={"type": "object"},
                              hints={"type": "array"})}),
         Op("GET", "healthz", healthz, "liveness", ANYONE, answers={200: HEALTH}),
-        Op("GET", "metrics", metrics, "Prometheus text", METRICS_ROLES,
-           answers={200: "text/plain"}),
+        metrics_op(service.metrics.registry),
         *more,
     ]  # fmt: skip
     app = Starlette(

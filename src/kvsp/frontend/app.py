@@ -11,7 +11,6 @@ import json
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -20,8 +19,8 @@ from kvsp.auth import Principals
 from kvsp.core.problems import InvalidInput
 from kvsp.frontend.controllers import RemoteController
 from kvsp.frontend.service import CompletionRequest, FrontEnd, log
-from kvsp.web.openapi import ANYONE, HEALTH, METRICS_ROLES, Op, routes_of
-from kvsp.web.probes import probe_ops
+from kvsp.web.openapi import ANYONE, HEALTH, Op, routes_of
+from kvsp.web.probes import metrics_op, probe_ops
 from kvsp.web.server import (
     header_value,
     install_problem_handlers,
@@ -96,9 +95,6 @@ def create_app(
     async def healthz(_: Request) -> Response:
         return json_response(b'{"status":"ok"}')
 
-    async def metrics(_: Request) -> Response:
-        return Response(generate_latest(frontend.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
     async def started() -> None:
         return None
 
@@ -106,8 +102,7 @@ def create_app(
         *frontend_ops(frontend, BODY_OCTETS),
         *probe_ops("frontend", controllers.first_ready),
         Op("GET", "healthz", healthz, "liveness", ANYONE, answers={200: HEALTH}),
-        Op("GET", "metrics", metrics, "Prometheus text", METRICS_ROLES,
-           answers={200: "text/plain"}),
+        metrics_op(frontend.metrics.registry),
     ]  # fmt: skip
     app = Starlette(
         routes=routes_of("/kvsp/", "kvsp front end", ops, principals),

@@ -14,7 +14,6 @@ import logging
 import re
 from urllib.parse import parse_qs
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -29,8 +28,8 @@ from kvsp.core.registries import BLOCK_MEDIA_TYPE, SERVED_CODECS
 from kvsp.core.validation import decimal
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.service import HolderService
-from kvsp.web.openapi import ANYONE, HEALTH, METRICS_ROLES, Op, principal_of, routes_of
-from kvsp.web.probes import probe_ops
+from kvsp.web.openapi import ANYONE, HEALTH, Op, principal_of, routes_of
+from kvsp.web.probes import metrics_op, probe_ops
 from kvsp.web.server import (
     AsgiEndpoint,
     InflightOctets,
@@ -178,16 +177,11 @@ def create_app(service: HolderService, principals: Principals) -> Starlette:
     async def healthz(_: Request) -> Response:
         return json_response(b'{"status":"ok"}')
 
-    async def metrics(_: Request) -> Response:
-        await service.refresh_metrics()
-        return Response(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
-
     ops = [
         *block_ops(service),
         *probe_ops("holder", service.readiness),
         Op("GET", "healthz", healthz, "liveness", ANYONE, answers={200: HEALTH}),
-        Op("GET", "metrics", metrics, "Prometheus text", METRICS_ROLES,
-           answers={200: "text/plain"}),
+        metrics_op(service.registry, service.refresh_metrics),
     ]  # fmt: skip
     app = Starlette(
         routes=routes_of(BASE, "kvsp holder", ops, principals),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -38,8 +37,8 @@ from kvsp.index.rules import (
     check_path,
 )
 from kvsp.index.service import IndexService
-from kvsp.web.openapi import ANYONE, METRICS_ROLES, Op, obj, principal_of, routes_of
-from kvsp.web.probes import probe_ops
+from kvsp.web.openapi import ANYONE, Op, obj, principal_of, routes_of
+from kvsp.web.probes import metrics_op, probe_ops
 from kvsp.web.server import (
     AsgiEndpoint,
     install_problem_handlers,
@@ -148,10 +147,6 @@ def create_app(
         await service.store.ping()
         return json_response(b'{"status":"ok","store":"%s"}' % service.store.name.encode())
 
-    async def metrics(_: Request) -> Response:
-        await service.refresh_gauges()
-        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
     block = "replicas/{compat}/{scope}/{block_key}"
     publisher = "the record's scope and holder"
     ops = [
@@ -174,8 +169,7 @@ def create_app(
         *probe_ops("index", service.readiness),
         Op("GET", "healthz", healthz, "liveness and the store's", ANYONE,
            answers={200: obj(["status"], status={"type": "string"})}),
-        Op("GET", "metrics", metrics, "Prometheus text", METRICS_ROLES,
-           answers={200: "text/plain"}),
+        metrics_op(service.metrics.registry, service.refresh_gauges),
     ]  # fmt: skip
     app = Starlette(
         routes=routes_of(BASE, "kvsp Index Service", ops, principals),

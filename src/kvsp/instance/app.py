@@ -10,7 +10,6 @@ import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Annotated
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import Field, StrictInt, StrictStr
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -40,8 +39,8 @@ from kvsp.core.validation import decimal
 from kvsp.holder.app import block_ops
 from kvsp.instance.service import InstanceService
 from kvsp.instance.sessions import TokenEvent
-from kvsp.web.openapi import ANYONE, METRICS_ROLES, Op, obj, principal_of, routes_of
-from kvsp.web.probes import probe_ops
+from kvsp.web.openapi import ANYONE, Op, obj, principal_of, routes_of
+from kvsp.web.probes import metrics_op, probe_ops
 from kvsp.web.server import (
     install_problem_handlers,
     json_response,
@@ -245,10 +244,6 @@ def create_app(service: InstanceService, principals: Principals) -> Starlette:
     async def status(_: Request) -> Response:
         return json_response(service.status().model_dump_json(exclude_none=True).encode())
 
-    async def metrics(_: Request) -> Response:
-        await service.holder.refresh_metrics()
-        return Response(generate_latest(service.holder.registry), media_type=CONTENT_TYPE_LATEST)
-
     controller = (Role.CONTROLLER,)
     peers = (Role.INSTANCE,)
     session_answer = obj(
@@ -293,8 +288,7 @@ def create_app(service: InstanceService, principals: Principals) -> Starlette:
            answers={200: InstanceStatusRecord}),
         *probe_ops("instance", service.readiness),
         Op("GET", "healthz", healthz, "liveness", ANYONE, answers={200: {"type": "object"}}),
-        Op("GET", "metrics", metrics, "Prometheus text", METRICS_ROLES,
-           answers={200: "text/plain"}),
+        metrics_op(service.holder.registry, service.holder.refresh_metrics),
     ]  # fmt: skip
     app = Starlette(
         routes=routes_of(base, "kvsp inference instance", ops, principals),

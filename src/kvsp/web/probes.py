@@ -1,6 +1,6 @@
-"""The two questions an orchestrator asks every service: ``GET livez`` (does the process
-serve? a failed answer gets it restarted) and ``GET readyz`` (should it get traffic now? a
-failed answer takes it out of the load balancer and nothing more).
+"""What an orchestrator and a scraper ask every service: ``GET livez`` (does the process
+serve? a failed answer gets it restarted), ``GET readyz`` (should it get traffic now? a
+failed answer takes it out of the load balancer and nothing more), and ``GET metrics``.
 
 One ``healthz`` could not answer both: an instance that drains or sleeps, a controller that
 stands by or an Index Service whose Redis is gone is alive (restarting it would lose state or
@@ -14,15 +14,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvsp.core.problems import NotReady
 from kvsp.core.registries import PROBLEM_MEDIA_TYPE
-from kvsp.web.openapi import ANYONE, HEALTH, Op
+from kvsp.web.openapi import ANYONE, HEALTH, METRICS_ROLES, Op
 from kvsp.web.server import json_response
 
-__all__ = ["Readiness", "probe_ops"]
+__all__ = ["Readiness", "metrics_op", "probe_ops"]
 
 log = logging.getLogger("kvsp.probes")
 
@@ -70,3 +71,18 @@ def probe_ops(service: str, readiness: Readiness) -> list[Op]:
            "readiness: it should get traffic (503 kvsp-not-ready names why not)", ANYONE,
            answers={200: HEALTH}),
     ]  # fmt: skip
+
+
+def metrics_op(
+    registry: CollectorRegistry, refresh: Callable[[], Awaitable[None]] | None = None
+) -> Op:
+    """``GET metrics``: ``registry`` in Prometheus text, after ``refresh`` (gauges read at
+    scrape time); role metrics, since series name scopes and tenants."""
+
+    async def metrics(_: Request) -> Response:
+        if refresh is not None:
+            await refresh()
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return Op("GET", "metrics", metrics, "Prometheus text", METRICS_ROLES,
+              answers={200: "text/plain"})  # fmt: skip
