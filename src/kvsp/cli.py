@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
+from pydantic import SecretStr
 
 # typer vendors click; its exceptions are only reachable here (pinned typer range).
 from typer._click.exceptions import ClickException, NoArgsIsHelpError
@@ -30,6 +31,7 @@ from kvsp.core.keys import ROOT_PARENT, block_keys, scope_id
 from kvsp.core.problems import InvalidInput, KvspError
 from kvsp.core.registries import CODEC_RAW
 from kvsp.quotas import Quotas, parse_octets
+from kvsp.settings import settings_command
 from kvsp.sim.scenario import DEFAULT_SCENARIO
 
 if TYPE_CHECKING:
@@ -78,9 +80,22 @@ instance_app = typer.Typer(
 app.add_typer(instance_app, name="instance")
 model_app = typer.Typer(help="The default model (SmolLM2-135M-Instruct).", no_args_is_help=True)
 app.add_typer(model_app, name="model")
+config_app = typer.Typer(help="Services' settings files (--config FILE).", no_args_is_help=True)
+app.add_typer(config_app, name="config")
 tenants_app = typer.Typer(help="The tenants file (scope keys, API keys, quotas).",
                           no_args_is_help=True)  # fmt: skip
 app.add_typer(tenants_app, name="tenants")
+
+
+@config_app.command("check")
+def config_check_command(
+    file: Annotated[Path, typer.Argument(help="settings file (TOML): one table per service")],
+) -> None:
+    """Print each service's effective settings in FILE, its KVSP_* environment applied, with
+    secrets masked; exit 2 when a table or a setting is invalid."""
+    from kvsp.settings import check_file
+
+    sys.stdout.write(json.dumps(check_file(file), indent=2) + "\n")
 
 
 @tenants_app.command("quotas")
@@ -318,6 +333,7 @@ def _serve(
 
 
 @index_app.command("serve")
+@settings_command("index")
 def index_serve_command(
     host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 9100,
@@ -371,6 +387,7 @@ def index_serve_command(
 
 
 @index_app.command("ingest")
+@settings_command("ingest")
 def index_ingest_command(
     pods: Annotated[Path, typer.Option("--pods", help="pods file (TOML): the vLLM pods to read")],
     tenants: Annotated[Path, typer.Option("--tenants", help="tenants file (TOML, secret)")],
@@ -411,9 +428,12 @@ def _descriptors(path: Path) -> list[CompatibilityDescriptor]:
     return [CompatibilityDescriptor.parse(d) for d in (doc if isinstance(doc, list) else [doc])]
 
 
-def _read_token(path: Path | None) -> str | None:
+def _read_token(path: Path | SecretStr | None) -> str | None:
+    """A bearer token: from its file, or as the environment gave it (``kvsp.settings``)."""
     if path is None:
         return None
+    if isinstance(path, SecretStr):
+        return path.get_secret_value()
     token = _read_bytes(path, "token file").decode("utf-8", "replace").strip()
     if not token:
         raise InvalidInput(f"token file {path} is empty")
@@ -421,6 +441,7 @@ def _read_token(path: Path | None) -> str | None:
 
 
 @holder_app.command("serve")
+@settings_command("holder")
 def holder_serve_command(
     url: Annotated[str, typer.Option("--url", help="this holder's base URL, as published")],
     host_bytes: Annotated[str, typer.Option("--host-bytes", help="host memory tier, e.g. 4G")],
@@ -498,6 +519,7 @@ def holder_serve_command(
 
 
 @controller_app.command("serve")
+@settings_command("controller")
 def controller_serve_command(
     tenants: Annotated[Path, typer.Option("--tenants", help="tenants file (TOML, secret)")],
     index: Annotated[str | None, typer.Option("--index", help="Index Service base URL")] = None,
@@ -576,6 +598,7 @@ def controller_serve_command(
 
 
 @frontend_app.command("serve")
+@settings_command("frontend")
 def frontend_serve_command(
     tenants: Annotated[Path, typer.Option("--tenants", help="tenants file (TOML, secret)")],
     controller: Annotated[
@@ -627,6 +650,7 @@ def model_install_command(
 
 
 @instance_app.command("serve")
+@settings_command("instance")
 def instance_serve_command(
     url: Annotated[str, typer.Option("--url", help="this instance's base URL, as published")],
     tenants: Annotated[Path, typer.Option("--tenants", help="tenants file (TOML, secret)")],
