@@ -329,7 +329,7 @@ def _serve(
         door = parse_front_door(http_limits or [])
     except ValueError as exc:
         raise InvalidInput(f"--http-limit {exc}") from None
-    serve(asgi_app, host, port, log_level, door, log_format, service)
+    serve(asgi_app, host, port, log_level, door, service)
 
 
 @index_app.command("serve")

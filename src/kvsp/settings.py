@@ -65,8 +65,10 @@ class ServiceSettings(BaseSettings):
     def load(cls, path: Path | None, flags: Mapping[str, Any]) -> ServiceSettings:
         """The settings from ``flags``, the environment, ``path``'s table, the defaults."""
         from_file = _table(path, cls.section) if path is not None else {}
-        secrets = sorted(n for n in from_file if cls.model_fields[n].annotation == SecretStr | None
-                         ) if set(from_file) <= set(cls.model_fields) else []  # fmt: skip
+        fields = cls.model_fields
+        secrets = sorted(
+            n for n in from_file if n in fields and fields[n].annotation == SecretStr | None
+        )
         if secrets:
             raise ConfigurationError(
                 f"{secrets} are secrets: give them in the environment or in their files, "

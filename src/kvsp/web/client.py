@@ -148,16 +148,8 @@ class JsonClient(ClosingClient):
         deadline = time.monotonic() + self._failover_s
         pause = 0.05
         while True:
-            base = "" if len(self._urls) == 1 else self._urls[self._current]
             try:
-                try:
-                    response = await self._http.request(
-                        method, base + url, content=body, params=params, timeout=timeout
-                    )
-                except transport_errors as exc:
-                    raise peer_error(exc, self.peer) from None
-                raise_for_problem(response)
-                return response
+                return await self._attempt(self._current, method, url, body, params, timeout)
             except (PeerError, NotLeader) as exc:
                 if len(self._urls) == 1 or time.monotonic() >= deadline:
                     raise
@@ -165,18 +157,34 @@ class JsonClient(ClosingClient):
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.25)
 
+    async def _attempt(
+        self,
+        which: int,
+        method: str,
+        url: str,
+        body: bytes | None = None,
+        params: dict[str, str] | None = None,
+        timeout: httpx.Timeout | float | None = None,
+    ) -> httpx.Response:
+        """One request to base URL number ``which``; a problem answer or a transport failure
+        raised as the kvsp error it stands for."""
+        base = "" if len(self._urls) == 1 else self._urls[which]
+        try:
+            response = await self._http.request(
+                method, base + url, content=body, params=params, timeout=timeout
+            )
+        except transport_errors as exc:
+            raise peer_error(exc, self.peer) from None
+        raise_for_problem(response)
+        return response
+
     async def first_ready(self, path: str = "readyz", timeout_s: float = 2.0) -> list[str]:
         """Why none of the URLs is ready: ``GET path`` at each in turn until one answers 2xx
         within ``timeout_s`` (then nothing); a probe's question, so no failover wait."""
         reasons = []
         for i, url in enumerate(self._urls):
-            base = "" if len(self._urls) == 1 else url
             try:
-                try:
-                    response = await self._http.get(base + path, timeout=timeout_s)
-                except transport_errors as exc:
-                    raise peer_error(exc, self.peer) from None
-                raise_for_problem(response)
+                await self._attempt(i, "GET", path, timeout=timeout_s)
             except KvspError as exc:
                 reasons.append(f"{url}: {exc.detail}")
                 continue

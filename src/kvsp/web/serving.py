@@ -457,7 +457,8 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc)
 
 
-JsonFormatter.converter = time.gmtime
+JsonFormatter.converter = time.gmtime  # times in UTC, as the "Z" says
+
 
 #: the log formats of ``--log-format``
 LOG_FORMATS = ("text", "json")
@@ -519,12 +520,11 @@ def serve(
     port: int,
     log_level: str = "info",
     front_door: FrontDoor | None = None,
-    log_format: str = "text",
     service: str = "kvsp",
 ) -> None:
     """Run ``app`` until the process is stopped, as ``uvicorn.run`` would: a server that could
-    not start (its port taken) ends the process with uvicorn's startup-failure status."""
-    configure_logs(log_level, log_format, service)
+    not start (its port taken) ends the process with uvicorn's startup-failure status. Its
+    logs are the caller's to configure (``configure_logs``) before anything is logged."""
     tracing.configure_tracing(service)
     server = uvicorn.Server(
         uvicorn_config(RequestContext(app), host, port, log_level, front_door=front_door)

@@ -23,15 +23,11 @@ from typing import Any
 
 from kvsp.web import context
 
-__all__ = ["configure_tracing", "enabled", "server_span", "span"]
+__all__ = ["configure_tracing", "server_span", "span"]
 
 log = logging.getLogger("kvsp.tracing")
 
 _tracer: Any = None
-
-
-def enabled() -> bool:
-    return _tracer is not None
 
 
 def configure_tracing(service: str) -> bool:
