@@ -9,7 +9,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvsp-installed
 SRC    := src tests benchmarks
 
-.PHONY: setup system-deps consumer-deps browser-deps bench-deps demo test lint bench
+.PHONY: valkey-server setup system-deps consumer-deps browser-deps bench-deps peer-deps demo test lint bench \
+	bench-peers
 # NVIDIA Dynamo's KV indexer, a consumer of kvsp's KV events that kvsp's tests check against, in
 # an environment of its own (none of its pins touch kvsp's). Its dependency aisimulate cannot be
 # fetched and nothing used needs it: --no-deps. When the install fails, the test that needs it
@@ -44,6 +45,38 @@ $(DYNAMO_STAMP):
 
 consumer-deps: $(DYNAMO_STAMP)
 
+# The peers `make bench-peers` measures kvsp against, each in an environment of its own under
+# build/peers (nothing of theirs in kvsp's dependencies). Mooncake's non-CUDA wheel (the plain
+# one's store needs libcuda.so.1) links libibverbs even for TCP. Valkey 8 comes from the
+# distribution's backports, added as a source beside the machine's own.
+MOONCAKE := build/peers/mooncake
+LMCACHE := build/peers/lmcache
+
+$(MOONCAKE)/.installed:
+	@{ dpkg -s libibverbs1 ibverbs-providers >/dev/null 2>&1; } || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		  apt-get install -y -qq libibverbs1 ibverbs-providers >/dev/null; }
+	python3 -m venv $(MOONCAKE)
+	$(MOONCAKE)/bin/pip install --quiet mooncake-transfer-engine-non-cuda==0.3.13.post1
+	touch $@
+
+$(LMCACHE)/.installed:
+	python3 -m venv $(LMCACHE)
+	$(LMCACHE)/bin/pip install --quiet torch==2.13.0 lmcache==0.5.6
+	touch $@
+
+valkey-server:
+	@command -v valkey-server >/dev/null 2>&1 || { \
+		. /etc/os-release; \
+		awk 'BEGIN { RS = ""; ORS = "\n\n" } NR == 1' /etc/apt/sources.list.d/debian.sources | \
+		  sed "s/^Suites: .*/Suites: $$VERSION_CODENAME-backports/" \
+		  > /etc/apt/sources.list.d/kvsp-backports.sources; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		  apt-get install -y -qq -t $$VERSION_CODENAME-backports valkey-server >/dev/null; }
+
+peer-deps: bench-deps $(DYNAMO_STAMP) $(MOONCAKE)/.installed $(LMCACHE)/.installed valkey-server
+	@test -f $(DYNAMO_STAMP) || { echo "kvsp: Dynamo could not be installed"; exit 1; }
+
 # Debian's Chromium, for the cluster page's browser test (only the test command needs it)
 browser-deps:
 	@command -v chromium >/dev/null 2>&1 || \
@@ -68,10 +101,21 @@ bench-deps: setup
 	@command -v wrk >/dev/null 2>&1 || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null; }
 
-bench: bench-deps
+# $(1): the scripts of benchmarks/ to run, one after another; $(2): the section of
+# benchmarks/RESULTS.md that their JSON lines replace
+define run-benchmarks
 	@rm -f .bench.out .bench.line
-	for script in block_keys container index_lookup holder_transfer placement engine_reuse \
-		session_index agentic_hints vllm_connector compiled_pieces controller_ha kv_events; do \
+	for script in $(1); do \
 		$(PY) benchmarks/$$script.py > .bench.line || exit 1; cat .bench.line >> .bench.out; \
 		tail -n 1 .bench.line; done
-	$(PY) benchmarks/record.py .bench.out
+	$(PY) benchmarks/record.py .bench.out "$(2)"
+endef
+
+bench: bench-deps
+	$(call run-benchmarks,block_keys container index_lookup holder_transfer placement \
+		engine_reuse session_index agentic_hints vllm_connector compiled_pieces controller_ha \
+		kv_events,Latest run)
+
+# kvsp beside the peers it is measured against, in one run (benchmarks/_peers.py)
+bench-peers: peer-deps
+	$(call run-benchmarks,peer_block_get,Latest run against the peers)

@@ -1,5 +1,6 @@
-"""Rewrite the "Latest run" section of benchmarks/RESULTS.md from the JSON lines the benchmarks
-printed (``make bench`` collects them in a file), with the date and the machine."""
+"""Rewrite a section of benchmarks/RESULTS.md ("Latest run" unless a second argument names
+another) from the JSON lines the benchmarks printed (``make bench`` and ``make bench-peers``
+collect them in a file), with the date and the machine."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
-HEAD = "## Latest run\n"
 
 
 def machine() -> str:
@@ -24,7 +24,7 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 
 
-def section(lines: list[str]) -> str:
+def section(head: str, lines: list[str]) -> str:
     runs = []
     for line in lines:
         try:
@@ -34,15 +34,16 @@ def section(lines: list[str]) -> str:
         if isinstance(doc, dict) and "benchmark" in doc:
             runs.append(f"- `{doc['benchmark']}`: `{json.dumps(doc, separators=(',', ':'))}`")
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    return f"{HEAD}\n{when}, {machine()}.\n\n" + "\n".join(runs) + "\n\n"
+    return f"{head}\n{when}, {machine()}.\n\n" + "\n".join(runs) + "\n\n"
 
 
 def main() -> None:
     lines = Path(sys.argv[1]).read_text().splitlines()
+    head = f"## {sys.argv[2] if len(sys.argv) > 2 else 'Latest run'}\n"
     text = RESULTS.read_text()
-    start = text.index(HEAD)
-    end = text.index("\n## ", start + len(HEAD)) + 1
-    RESULTS.write_text(text[:start] + section(lines) + text[end:])
+    start = text.index(head)
+    end = text.index("\n## ", start + len(head)) + 1
+    RESULTS.write_text(text[:start] + section(head, lines) + text[end:])
 
 
 if __name__ == "__main__":

@@ -44,12 +44,13 @@ def _wait_for(check: object, what: str, timeout_s: float = 60.0) -> None:
 
 
 class RedisServer:
-    """A private redis-server (no persistence) that tests can stop and start again."""
+    """A private redis-server (no persistence) that tests can stop and start again; the
+    benchmarks also run Valkey's ``valkey-server`` through it."""
 
-    def __init__(self, port: int | None = None) -> None:
-        binary = shutil.which("redis-server")
+    def __init__(self, port: int | None = None, program: str = "redis-server") -> None:
+        binary = shutil.which(program)
         if binary is None:
-            raise RuntimeError("redis-server is not installed; `make test` installs it")
+            raise RuntimeError(f"{program} is not installed; `make test` installs redis-server")
         self.binary = binary
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
