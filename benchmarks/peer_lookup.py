@@ -86,44 +86,43 @@ def matched_blocks(answer: bytes) -> int:
 
 
 async def lookup_rounds(service: IndexService, dynamo: PeerDriver) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for hit in ("full", "half"):
-        blocks = prompt_blocks(hit)
-        requests = [
-            LookupRequest(
-                scope_id=SCOPE, compat_id=COMPAT, block_keys=tuple(block_key(n) for n in p)
-            )
-            for p in blocks
-        ]
-        hashes = [[n + 1 for n in p] for p in blocks]
-        ours = matched_blocks(await service.lookup(DEV, requests[0]))
-        theirs = dynamo.call("matches", prompt=hashes[0])["matched"]
-        if [ours] != list(theirs.values()):
-            raise RuntimeError(f"{hit} hit: kvsp matched {ours} blocks, Dynamo {theirs}")
+    return {hit: await hit_rounds(service, dynamo, prompt_blocks(hit)) for hit in ("full", "half")}
 
-        async def kvsp_rate() -> float:
-            done, start = 0, time.perf_counter()
-            while time.perf_counter() - start < ROUND_SECONDS:
-                for request in requests:
-                    await service.lookup(DEV, request)
-                done += len(requests)
-            return done / (time.perf_counter() - start)
 
-        async def dynamo_rate() -> float:
-            return float(
-                dynamo.call("rate", prompts=hashes, seconds=ROUND_SECONDS)["lookups_per_s"]
-            )
+async def hit_rounds(
+    service: IndexService, dynamo: PeerDriver, blocks: list[list[int]]
+) -> dict[str, Any]:
+    """kvsp's and Dynamo's lookups of the same prompts, in interleaved rounds."""
+    requests = [
+        LookupRequest(scope_id=SCOPE, compat_id=COMPAT, block_keys=tuple(block_key(n) for n in p))
+        for p in blocks
+    ]
+    hashes = [[n + 1 for n in p] for p in blocks]
+    ours = matched_blocks(await service.lookup(DEV, requests[0]))
+    theirs = dynamo.call("matches", prompt=hashes[0])["matched"]
+    if [ours] != list(theirs.values()):
+        raise RuntimeError(f"kvsp matched {ours} blocks of a prompt, Dynamo {theirs}")
 
-        figures = await interleaved({"kvsp": kvsp_rate, "dynamo": dynamo_rate}, ROUNDS)
-        pair = versus(figures["kvsp"], figures["dynamo"])
-        out[hit] = {
-            "matched_blocks": ours,
-            "kvsp_lookups_per_s": round(pair["kvsp"]),
-            "dynamo_lookups_per_s": round(pair["peer"]),
-            "ratio": pair["ratio"],
-            "ratio_range": pair["ratio_range"],
-        }
-    return out
+    async def kvsp_rate() -> float:
+        done, start = 0, time.perf_counter()
+        while time.perf_counter() - start < ROUND_SECONDS:
+            for request in requests:
+                await service.lookup(DEV, request)
+            done += len(requests)
+        return done / (time.perf_counter() - start)
+
+    async def dynamo_rate() -> float:
+        return float(dynamo.call("rate", prompts=hashes, seconds=ROUND_SECONDS)["lookups_per_s"])
+
+    figures = await interleaved({"kvsp": kvsp_rate, "dynamo": dynamo_rate}, ROUNDS)
+    pair = versus(figures["kvsp"], figures["dynamo"])
+    return {
+        "matched_blocks": ours,
+        "kvsp_lookups_per_s": round(pair["kvsp"]),
+        "dynamo_lookups_per_s": round(pair["peer"]),
+        "ratio": pair["ratio"],
+        "ratio_range": pair["ratio_range"],
+    }
 
 
 def main() -> None:
@@ -147,8 +146,11 @@ def main() -> None:
         finally:
             hog.kill()
             hog.wait()
-    lookups = {f"{hit}_hit_{machine}": figures[hit]
-               for machine, figures in (("idle", idle), ("busy", busy)) for hit in figures}  # fmt: skip
+    lookups = {
+        f"{hit}_hit_{machine}": figures[hit]
+        for machine, figures in (("idle", idle), ("busy", busy))
+        for hit in figures
+    }
     results = {
         "blocks": BLOCKS,
         "prompt_blocks": CHAIN,
@@ -170,9 +172,10 @@ def main() -> None:
         and per_record <= 256
         and per_record_digests <= 1300
     )
+    peer = "ai-dynamo-runtime 1.6.1 RadixTree, in process (find_matches, apply_event)"
     print(json.dumps({
         "benchmark": "peer_lookup",
-        "peers": {"dynamo": "ai-dynamo-runtime 1.6.1 RadixTree, in process (find_matches, apply_event)"},
+        "peers": {"dynamo": peer},
         "meets_target": meets,
         "results": results,
     }))  # fmt: skip

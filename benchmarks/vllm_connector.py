@@ -31,6 +31,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +51,51 @@ PROMPTS = 5
 ROUNDS = 5
 
 
-def vllm(spec: dict[str, Any], where: Path, name: str) -> list[dict[str, Any]]:
+def vllm(
+    spec: dict[str, Any], where: Path, name: str, case: Case | None = None
+) -> list[dict[str, Any]]:
+    """The prompts' lines from one vLLM process (``case``: another interpreter, more
+    environment), the warm-up's left out."""
     path = where / f"{name}.json"
     path.write_text(json.dumps(spec))
-    command = [sys.executable, "-m", "kvsp.integrations.vllm.offline", str(path)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    python = sys.executable if case is None else case.python
+    env = {**os.environ, **({} if case is None else case.env)}
+    command = [python, "-m", "kvsp.integrations.vllm.offline", str(path)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode:
         raise RuntimeError(f"{name}: {done.stderr[-3000:]}")
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return lines[1:]  # the warm-up first
+
+
+@dataclass
+class Case:
+    """A connector's spec, and the interpreter and environment its vLLM runs under."""
+
+    spec: dict[str, Any]
+    python: str = sys.executable
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def hit_rounds(cases: dict[str, Case], where: Path) -> dict[str, list[list[dict[str, Any]]]]:
+    """Each case's store run (its lines under ``"NAME_store"``), then ``ROUNDS`` rounds of one
+    hit process per case, the case that comes first rotating from round to round."""
+    out: dict[str, list[list[dict[str, Any]]]] = {}
+    for name, case in cases.items():
+        out[f"{name}_store"] = [vllm(case.spec, where, f"{name}-store", case)]
+    os.sync()  # the stored files reach the disk before anything is timed
+    names = list(cases)
+    for round_ in range(ROUNDS):
+        for k in range(len(names)):
+            name = names[(round_ + k) % len(names)]
+            out.setdefault(name, []).append(
+                vllm(cases[name].spec, where, f"{name}-hit-{round_}", cases[name])
+            )
+    return out
+
+
+def median_ms(case: list[dict[str, Any]]) -> float:
+    return round(statistics.median(r["seconds"] for r in case) * 1000, 1)
 
 
 def verification_ms(files: ModelFiles, blocks: int) -> float:
@@ -78,58 +117,62 @@ def verification_ms(files: ModelFiles, blocks: int) -> float:
     return round(statistics.median(times) * 1000, 1)
 
 
-def main() -> None:
-    files = install()
+def prompts() -> list[list[int]]:
+    """A warm-up prompt, then ``PROMPTS`` distinct prompts of ``PROMPT_TOKENS`` tokens."""
     rng = random.Random(2048)
     warm = [rng.randrange(100, 40_000) for _ in range(64)]
-    prompts = [[rng.randrange(100, 40_000) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
+    return [
+        warm,
+        *([rng.randrange(100, 40_000) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)),
+    ]
+
+
+@contextmanager
+def connectors(files: ModelFiles, where: Path) -> Iterator[tuple[dict[str, Any], Case, Case]]:
+    """The spec without a connector, and the KVSPConnector and ExampleConnector cases, with the
+    IS and the holder KVSPConnector uses running."""
+    tenants = where / "tenants.toml"
+    tenants.write_text(tenants_toml(files.compat_id.hex()))
+    index = Service("index", "serve", "--log-level", "warning")
+    port = free_port()
+    holder_url = f"http://127.0.0.1:{port}/kvsp/"
+    holder = Service(
+        "holder", "serve", "--url", holder_url, "--host-bytes", "2G",
+        "--index", index.base_url, "--log-level", "warning", port=port,
+    )  # fmt: skip
+    base = {"model_dir": str(files.folder), "max_tokens": 1, "prompts": prompts()}
+    kvsp = {
+        **base,
+        "connector": "KVSPConnector",
+        "extra_config": {
+            "index_url": index.base_url,
+            "holder_url": holder_url,
+            "tenants_file": str(tenants),
+            "tenant": "acme",
+        },
+    }
+    example = {
+        **base,
+        "connector": "ExampleConnector",
+        "extra_config": {"shared_storage_path": str(where / "example")},
+    }
+    with running(index, holder):
+        yield base, Case(kvsp), Case(example)
+
+
+def main() -> None:
+    files = install()
     with tempfile.TemporaryDirectory() as tmp:
         where = Path(tmp)
-        tenants = where / "tenants.toml"
-        tenants.write_text(tenants_toml(files.compat_id.hex()))
-        index = Service("index", "serve", "--log-level", "warning")
-        port = free_port()
-        holder_url = f"http://127.0.0.1:{port}/kvsp/"
-        holder = Service(
-            "holder", "serve", "--url", holder_url, "--host-bytes", "2G",
-            "--index", index.base_url, "--log-level", "warning", port=port,
-        )  # fmt: skip
-        base = {"model_dir": str(files.folder), "max_tokens": 1, "prompts": [warm, *prompts]}
-        kvsp = {
-            **base,
-            "connector": "KVSPConnector",
-            "extra_config": {
-                "index_url": index.base_url,
-                "holder_url": holder_url,
-                "tenants_file": str(tenants),
-                "tenant": "acme",
-            },
-        }
-        example = {
-            **base,
-            "connector": "ExampleConnector",
-            "extra_config": {"shared_storage_path": str(where / "example")},
-        }
-        with running(index, holder):
+        with connectors(files, where) as (base, kvsp, example):
             plain = vllm({**base, "connector": None}, where, "no-cache")
-            store = vllm(kvsp, where, "kvsp-store")
-            vllm(example, where, "example-store")
-            os.sync()  # the stored files reach the disk before anything is timed
-            hits, example_hits = [], []
-            for round_ in range(ROUNDS):
-                for case in (0, 1) if round_ % 2 == 0 else (1, 0):
-                    if case == 0:
-                        hits.append(vllm(kvsp, where, f"kvsp-hit-{round_}"))
-                    else:
-                        example_hits.append(vllm(example, where, f"example-hit-{round_}"))
+            runs = hit_rounds({"kvsp": kvsp, "example": example}, where)
+    store, hits, example_hits = runs["kvsp_store"][0], runs["kvsp"], runs["example"]
     for case in (store, *hits, *example_hits):
         assert [r["tokens"] for r in case] == [r["tokens"] for r in plain], "outputs differ"
     hit = [r for case in hits for r in case]
     example_hit = [r for case in example_hits for r in case]
     assert all(r["cached_tokens"] >= PROMPT_TOKENS - 16 for r in hit), hit
-
-    def median_ms(case: list[dict[str, Any]]) -> float:
-        return round(statistics.median(r["seconds"] for r in case) * 1000, 1)
 
     no_cache, kvsp_hit, ex_hit = median_ms(plain), median_ms(hit), median_ms(example_hit)
     verify_ms = verification_ms(files, PROMPT_TOKENS // BLOCK_TOKENS - 1)

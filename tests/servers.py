@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import json
 import multiprocessing
 import os
 import shutil
@@ -87,6 +88,54 @@ class RedisServer:
             self.process.terminate()
             self.process.wait(timeout=10)
             self.process = None
+
+
+class DynamoIndexer:
+    """NVIDIA Dynamo's standalone KV indexer (``python -m dynamo.indexer``) under ``python``.
+
+    It binds its HTTP port on every interface and has no option to do otherwise, so it runs in a
+    network namespace of its own whose only interface is loopback; event publishers reach it on
+    IPC sockets, which cross namespaces, and requests reach its port through ``nsenter``."""
+
+    PORT = 8090
+
+    def __init__(self, python: Path, log: Path) -> None:
+        self.out = log.open("wb")
+        command = f"ip link set lo up && exec {python} -m dynamo.indexer --port {self.PORT}"
+        self.process = subprocess.Popen(
+            ["unshare", "--net", "sh", "-c", command], stdout=self.out, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                self.call("GET", "health")
+                return
+            except (ValueError, subprocess.CalledProcessError):
+                time.sleep(0.2)
+        raise AssertionError("Dynamo's indexer did not start: " + log.read_text()[-2000:])
+
+    def inside(self, argv: list[str], **options: Any) -> subprocess.CompletedProcess[bytes]:
+        """Run ``argv`` in the indexer's network namespace (where its port is)."""
+        command = ["nsenter", "-t", str(self.process.pid), "-n", *argv]
+        return subprocess.run(command, check=True, capture_output=True, **options)
+
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        """A request to the indexer, from inside its namespace."""
+        url = f"http://127.0.0.1:{self.PORT}/{path}"
+        command = ["curl", "-sf", "-X", method, url, "-H", "content-type: application/json"]
+        if body is not None:
+            command += ["-d", json.dumps(body)]
+        out = self.inside(command, timeout=30).stdout
+        return json.loads(out) if out.strip() else None
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.out.close()
 
 
 #: Services start as children of one process that imported kvsp's services (torch and

@@ -1,5 +1,6 @@
 """NVIDIA Dynamo's KV router index (``dynamo._core.RadixTree``, ai-dynamo-runtime 1.6.1) as a
-peer for in-process lookups and ingest, run under build/peers/dynamo's interpreter.
+peer for in-process lookups and ingest, run under build/peers/dynamo's interpreter; also the
+local block hashes its standalone indexer's ``query_by_hash`` takes.
 
 Block ``n`` is local hash ``n + 1`` and sequence hash ``n + 1``; blocks are stored as chains of
 ``chain`` blocks, each chain one ``stored`` event of one worker, as a vLLM worker's publisher
@@ -15,7 +16,7 @@ import time
 from typing import Any
 
 from _driver import serve
-from dynamo._core import RadixTree
+from dynamo._core import RadixTree, compute_block_hash_for_seq
 
 
 def resident_octets() -> int:
@@ -67,6 +68,11 @@ class Peer:
             done += len(prompts)
         return {"lookups_per_s": done / (time.perf_counter() - start)}
 
+    def local_hashes(self, prompts: list[list[int]], block_tokens: int) -> dict[str, Any]:
+        """Each prompt's local block hashes, as Dynamo's router computes them from the tokens
+        (what its indexer's ``query_by_hash`` takes)."""
+        return {"hashes": [compute_block_hash_for_seq(p, block_tokens) for p in prompts]}
+
     def close(self) -> dict[str, Any]:
         self.tree = None
         return {}
@@ -74,4 +80,7 @@ class Peer:
 
 if __name__ == "__main__":
     peer = Peer()
-    serve({"load": peer.load, "matches": peer.matches, "rate": peer.rate, "close": peer.close})
+    serve({
+        "load": peer.load, "matches": peer.matches, "rate": peer.rate,
+        "local_hashes": peer.local_hashes, "close": peer.close,
+    })  # fmt: skip

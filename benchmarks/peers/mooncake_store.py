@@ -3,7 +3,8 @@
 ``load`` starts a ``mooncake_master`` (its HTTP metadata server inside it), one store process
 that mounts the memory (this file with ``--store``), and a client here that mounts none, so
 every ``get_into`` crosses TCP from the store process, as a vLLM worker's GET does in Mooncake's
-standalone-store mode. Everything binds to 127.0.0.1 (``MC_TCP_BIND_ADDRESS``; Mooncake
+standalone-store mode (``serve`` alone starts the master and the store for vLLM's
+``MooncakeStoreConnector``). Everything binds to 127.0.0.1 (``MC_TCP_BIND_ADDRESS``; Mooncake
 otherwise advertises the first non-loopback address). ``rate`` reads the blocks with
 ``clients`` threads, each into a registered buffer of its own, reused from block to block."""
 
@@ -52,8 +53,8 @@ class Peer:
     def load(self, blobs: str, sizes: list[int], tag: str) -> dict[str, Any]:
         """Store the blobs (``sizes`` octets each, one after another in the file ``blobs``)."""
         if self.client is None:
-            self.start()
-        assert self.client is not None
+            served = self.serve()
+            self.client = connect(served["metadata_server"], served["master_server_address"], 0)
         for _, address in self.buffers:  # they fit the blocks stored before
             self.client.unregister_buffer(address)
         self.buffers = []
@@ -68,7 +69,9 @@ class Peer:
             offset += size
         return {"blocks": len(sizes)}
 
-    def start(self) -> None:
+    def serve(self) -> dict[str, Any]:
+        """Start the master and the store process; answers the addresses a client (vLLM's
+        ``MooncakeStoreConnector`` among them) is configured with."""
         rpc, http = free_port(), free_port()
         binaries = Path(sys.executable).parent
         log = open(os.environ.get("KVSP_PEER_LOG", os.devnull), "ab")  # noqa: SIM115
@@ -84,7 +87,7 @@ class Peer:
             [sys.executable, __file__, "--store", metadata, master], stdout=log, stderr=log
         ))  # fmt: skip
         time.sleep(2.0)  # the store's segment is mounted once its setup returns
-        self.client = connect(metadata, master, 0)
+        return {"metadata_server": metadata, "master_server_address": master}
 
     def rate(self, clients: int, seconds: float) -> dict[str, Any]:
         assert self.client is not None
@@ -143,4 +146,7 @@ if __name__ == "__main__":
         store_process(sys.argv[2], sys.argv[3])
     else:
         peer = Peer()
-        serve({"load": peer.load, "rate": peer.rate, "check": peer.check, "close": peer.close})
+        serve({
+            "serve": peer.serve, "load": peer.load, "rate": peer.rate, "check": peer.check,
+            "close": peer.close,
+        })  # fmt: skip

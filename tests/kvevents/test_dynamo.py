@@ -4,16 +4,13 @@ G1 and G2 evictions and after an instance is SIGKILLed and restarted, Dynamo's a
 instance holds how many of a prompt's tokens, per medium, equals kvsp's own (the controller's
 router query over the IS's records).
 
-Dynamo's indexer binds its HTTP port on every interface and has no option to do otherwise, so
-it runs in a network namespace of its own whose only interface is loopback; the instances
-publish on IPC sockets, which cross namespaces, and the test reaches its HTTP port through
-``nsenter``."""
+Dynamo's indexer runs in a network namespace of its own (``tests.servers.DynamoIndexer``); the
+instances publish on IPC sockets, which cross namespaces."""
 
 from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,10 +21,10 @@ import pytest
 
 from kvsp.local import LocalCluster
 from tests.conftest import ROOT
+from tests.servers import DynamoIndexer
 
 DYNAMO = ROOT / "build" / "peers" / "dynamo"
 MODEL = "smollm2"
-PORT = 8090
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
@@ -36,42 +33,6 @@ pytestmark = [
         "`make consumer-deps`",
     ),
 ]
-
-
-class DynamoIndexer:
-    def __init__(self, log: Path) -> None:
-        self.out = log.open("wb")
-        command = f"ip link set lo up && exec {DYNAMO}/bin/python -m dynamo.indexer --port {PORT}"
-        self.process = subprocess.Popen(
-            ["unshare", "--net", "sh", "-c", command], stdout=self.out, stderr=subprocess.STDOUT
-        )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                self.call("GET", "health")
-                return
-            except (ValueError, subprocess.CalledProcessError):
-                time.sleep(0.2)
-        raise AssertionError("Dynamo's indexer did not start: " + log.read_text()[-2000:])
-
-    def call(self, method: str, path: str, body: Any = None) -> Any:
-        """A request to the indexer, from inside its namespace."""
-        url = f"http://127.0.0.1:{PORT}/{path}"
-        command = ["nsenter", "-t", str(self.process.pid), "-n", "curl", "-sf", "-X", method, url,
-                   "-H", "content-type: application/json"]  # fmt: skip
-        if body is not None:
-            command += ["-d", json.dumps(body)]
-        out = subprocess.run(command, check=True, capture_output=True, timeout=30).stdout
-        return json.loads(out) if out.strip() else None
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.out.close()
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +92,7 @@ def agree(c: LocalCluster, dynamo: DynamoIndexer, prompts: list[list[int]]) -> l
 
 
 def test_dynamos_indexer_sees_what_kvsp_sees(cluster: LocalCluster, tmp_path: Path) -> None:
-    dynamo = DynamoIndexer(tmp_path / "dynamo.log")
+    dynamo = DynamoIndexer(DYNAMO / "bin" / "python", tmp_path / "dynamo.log")
     try:
         for n, (endpoint, replay) in enumerate(cluster.kv_event_endpoints):
             dynamo.call("POST", "register", {
