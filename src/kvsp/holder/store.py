@@ -381,10 +381,13 @@ class BlockStore:
     def _room(self, tier: Tier, wanted: int = 0) -> int:
         """Octets a tier could offer by moving or dropping every block that is not leased.
         With ``wanted``, a lower bound that is at least ``wanted`` when a cheap one shows it
-        (its free octets, or the capacity less as many of the largest blocks as are leased):
-        then nothing is counted."""
+        (its free octets, or the capacity less as many of the largest blocks as are leased),
+        or the capacity where even that is short of ``wanted`` (a tier too small, or none: a
+        pool with no G2): then nothing is counted."""
         capacity = self._spec[tier].capacity
         if wanted:
+            if capacity < wanted:  # no eviction makes room: spare the count of leased blocks
+                return capacity
             if capacity - self._used[tier] >= wanted:
                 return capacity - self._used[tier]
             bound = capacity - self._leases.leased_count() * self._largest
