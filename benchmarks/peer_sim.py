@@ -7,10 +7,11 @@ trace: 512-token hash ids, expanded by both into 16-token blocks; outputs cut to
 ``WORKERS`` workers with the same device pool each (``G1_BLOCKS`` blocks of 16 tokens, LRU), no
 host tier and no holders, routed round robin and by prefix overlap (kvsp's ``overlap`` policy,
 Dynamo's ``kv_router``). The figure is the share of prompt tokens served from cache: kvsp's
-``hit_rate``, Dynamo's ``prefix_cache_reused_ratio``. Round robin makes the routing the same in both, so its
-two figures should agree closely (the timing models differ: a request still prefilling holds
-its blocks for a different time); for overlap routing both are printed with the ratio, kvsp's
-other policies beside them. ``agree``: the round-robin figures within 10 % of each other.
+``hit_rate``, Dynamo's ``prefix_cache_reused_ratio``. Round robin makes the routing the same in
+both, so its two figures should agree closely (the timing models differ: a request still
+prefilling holds its blocks for a different time); for overlap routing both are printed with the
+ratio, kvsp's other policies beside them. ``agree``: the round-robin figures within 10 % of each
+other.
 
 Needs ``make peer-deps`` (``make bench-peers`` runs it).
 """
