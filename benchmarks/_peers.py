@@ -91,12 +91,15 @@ async def interleaved(
     return figures
 
 
-def versus(ours: list[float], theirs: list[float]) -> dict[str, Any]:
-    """Medians of both figures and the median of the rounds' own ratios (kvsp / peer)."""
+def versus(
+    ours: list[float], theirs: list[float], names: tuple[str, str] = ("kvsp", "peer")
+) -> dict[str, Any]:
+    """Medians of both figures (under ``names``) and the median of the rounds' own ratios
+    (kvsp / peer)."""
     ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
     return {
-        "kvsp": statistics.median(ours),
-        "peer": statistics.median(theirs),
+        names[0]: statistics.median(ours),
+        names[1]: statistics.median(theirs),
         "ratio": round(statistics.median(ratios), 3),
         "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
     }

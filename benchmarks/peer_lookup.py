@@ -115,14 +115,8 @@ async def hit_rounds(
         return float(dynamo.call("rate", prompts=hashes, seconds=ROUND_SECONDS)["lookups_per_s"])
 
     figures = await interleaved({"kvsp": kvsp_rate, "dynamo": dynamo_rate}, ROUNDS)
-    pair = versus(figures["kvsp"], figures["dynamo"])
-    return {
-        "matched_blocks": ours,
-        "kvsp_lookups_per_s": round(pair["kvsp"]),
-        "dynamo_lookups_per_s": round(pair["peer"]),
-        "ratio": pair["ratio"],
-        "ratio_range": pair["ratio_range"],
-    }
+    names = ("kvsp_lookups_per_s", "dynamo_lookups_per_s")
+    return {"matched_blocks": ours, **versus(figures["kvsp"], figures["dynamo"], names)}
 
 
 def main() -> None:
