@@ -15,7 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-__all__ = ["ROOT", "PeerDriver", "interleaved", "peer_python", "versus"]
+__all__ = ["ROOT", "PeerDriver", "interleaved", "peer_python", "report", "versus"]
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "build" / "peers"
@@ -103,3 +103,11 @@ def versus(
         "ratio": round(statistics.median(ratios), 3),
         "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
     }
+
+
+def report(benchmark: str, peers: dict[str, str], meets: bool, results: dict[str, Any]) -> None:
+    """The benchmark's one JSON line: what each peer ran as, whether every target holds, and
+    the figures."""
+    print(json.dumps({
+        "benchmark": benchmark, "peers": peers, "meets_target": meets, "results": results,
+    }))  # fmt: skip

@@ -27,7 +27,6 @@ Needs ``make peer-deps`` (``make bench-peers`` runs it).
 from __future__ import annotations
 
 import asyncio
-import json
 import multiprocessing
 import shutil
 import sys
@@ -41,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import redis.asyncio as aioredis
 from tests.servers import RedisServer, free_port
 
-from benchmarks._peers import PeerDriver, interleaved, versus
+from benchmarks._peers import PeerDriver, interleaved, report, versus
 from benchmarks.holder_transfer import (
     BLOCKS,
     COMPAT,
@@ -204,17 +203,17 @@ def main() -> None:
         holder.stop()
         redis_server.stop()
         valkey_server.stop()
-    print(json.dumps({
-        "benchmark": "peer_block_get",
-        "peers": {
+    report(
+        "peer_block_get",
+        {
             "mooncake": "Mooncake Store 0.3.13.post1 get_into over TCP (no checks)",
             "lmcache": "LMCache 0.5.6 lmcache_server, its wire messages (no checks)",
             "redis": "redis-py (hiredis) GET from redis-server (no checks)",
             "valkey": "redis-py (hiredis) GET from valkey-server 8 (no checks)",
         },
-        "meets_target": meets,
-        "results": results,
-    }))  # fmt: skip
+        meets,
+        results,
+    )
 
 
 if __name__ == "__main__":

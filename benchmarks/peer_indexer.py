@@ -41,7 +41,7 @@ import httpx
 import zmq.asyncio
 from tests.servers import DynamoIndexer, Service
 
-from benchmarks._peers import PEERS, PeerDriver, peer_python, versus
+from benchmarks._peers import PEERS, PeerDriver, peer_python, report, versus
 from benchmarks.index_lookup import WRK_SCRIPT
 from kvsp.core.ids import parse_compat_id
 from kvsp.core.keys import block_keys
@@ -229,12 +229,7 @@ def main() -> None:
         index.stop()
     meets = all(v["ratio"] >= v["target"] for v in results.values() if isinstance(v, dict))
     peer = "ai-dynamo 1.6.1 python -m dynamo.indexer (ZMQ in, HTTP query_by_hash)"
-    print(json.dumps({
-        "benchmark": "peer_indexer",
-        "peers": {"dynamo": peer},
-        "meets_target": meets,
-        "results": results,
-    }))  # fmt: skip
+    report("peer_indexer", {"dynamo": peer}, meets, results)
 
 
 async def records_held(http: httpx.AsyncClient, base: str) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._peers import PeerDriver, interleaved, versus
+from benchmarks._peers import PeerDriver, interleaved, report, versus
 from benchmarks.index_lookup import (
     COMPAT,
     DEV,
@@ -167,12 +167,7 @@ def main() -> None:
         and per_record_digests <= 1300
     )
     peer = "ai-dynamo-runtime 1.6.1 RadixTree, in process (find_matches, apply_event)"
-    print(json.dumps({
-        "benchmark": "peer_lookup",
-        "peers": {"dynamo": peer},
-        "meets_target": meets,
-        "results": results,
-    }))  # fmt: skip
+    report("peer_lookup", {"dynamo": peer}, meets, results)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._peers import PEERS, ROOT, PeerDriver, peer_python
+from benchmarks._peers import PEERS, ROOT, PeerDriver, peer_python, report
 from benchmarks.vllm_connector import PROMPT_TOKENS, Case, connectors, hit_rounds, median_ms, vllm
 from kvsp.model import install
 
@@ -105,15 +105,15 @@ def main() -> None:
         results["kvsp_hit_over_mooncake_hit"]["ratio"] <= 1.0
         and results["kvsp_hit_over_no_cache"]["ratio"] <= 0.2
     )
-    print(json.dumps({
-        "benchmark": "peer_vllm",
-        "peers": {
+    report(
+        "peer_vllm",
+        {
             "mooncake": "vLLM 0.32 MooncakeStoreConnector, Mooncake 0.3.13.post1 over TCP",
             "example": "vLLM 0.32 ExampleConnector, files on local disk",
         },
-        "meets_target": meets,
-        "results": results,
-    }))  # fmt: skip
+        meets,
+        results,
+    )
 
 
 if __name__ == "__main__":
