@@ -74,10 +74,10 @@ def main() -> None:
             if [r["tokens"] for r in run] != tokens:
                 raise RuntimeError(f"{name}: other first tokens than vLLM without a connector")
     # each connector reuses what its own granularity allows (Mooncake's store whole chunks of
-    # its own, vLLM's last block recomputed): reported, and half the prompt at least required
+    # its own, vLLM's last block recomputed): reported; a peer must reuse half the prompt
     reused = {n: min(r["cached_tokens"] for run in runs[n] for r in run) for n in cases}
-    for name, tokens_reused in reused.items():
-        if tokens_reused < PROMPT_TOKENS // 2:
+    for name, tokens_reused in reused.items():  # kvsp: every block but the one vLLM recomputes
+        if tokens_reused < (PROMPT_TOKENS - 16 if name == "kvsp" else PROMPT_TOKENS // 2):
             raise RuntimeError(f"{name}: a hit reused only {tokens_reused} tokens")
     rounds = {name: [median_ms(run) for run in runs[name]] for name in cases}
 
