@@ -45,6 +45,7 @@ block_tokens = st.one_of(
     st.just("16"),
     st.just(10**30),
 )
+answers = st.sampled_from(["holders", "replicas", None, 3, "HOLDERS"])
 
 
 @st.composite
@@ -56,6 +57,7 @@ def bodies(draw: st.DrawFn) -> dict[str, Any]:
         ("block_keys", block_keys),
         ("targets", targets),
         ("block_tokens", block_tokens),
+        ("answer", answers),
         ("unknown", st.integers()),
     ):
         if draw(st.booleans()) or name in ("scope_id", "compat_id", "block_keys"):
@@ -70,6 +72,7 @@ def meaning(query: Any) -> tuple[Any, ...]:
         tuple(query.block_keys),
         None if query.targets is None else tuple(str(t) for t in query.targets),
         query.block_tokens,
+        query.answer,
     )
 
 
@@ -104,7 +107,7 @@ def test_a_body_without_targets_is_decoded_without_the_model() -> None:
     body = json.dumps({"scope_id": SCOPE_A, "compat_id": COMPAT, "block_keys": [key(0)]})
     query = decode_lookup(body.encode())
     assert isinstance(query, Lookup)
-    assert meaning(query) == (SCOPE_A, COMPAT, (key(0),), None, None)
+    assert meaning(query) == (SCOPE_A, COMPAT, (key(0),), None, None, None)
     with_targets = json.dumps(
         {"scope_id": SCOPE_A, "compat_id": COMPAT, "block_keys": [], "targets": []}
     )

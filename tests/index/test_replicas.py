@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvsp.core.clock import ManualClock
 from kvsp.core.problems import CapacityExhausted
 from kvsp.core.records import ReplicaRecord
-from kvsp.index.replicas import ReplicaTable
+from kvsp.index.replicas import ReplicaTable, holder_runs
 from kvsp.index.rules import (
     IndexLimits,
 )
@@ -25,6 +27,22 @@ from tests.index.factories import (
     ref,
     replica,
 )
+
+
+@given(st.lists(st.sets(st.sampled_from([H1, H2, I1, I2]), min_size=1), max_size=8))
+def test_holder_runs_count_each_holders_unbroken_leading_blocks(held: list[set[str]]) -> None:
+    table = ReplicaTable(ManualClock(), IndexLimits(max_records=100))
+    for n, holders in enumerate(held):
+        for holder in holders:
+            table.publish(replica(n, holder=holder))
+    runs = holder_runs(table.lookup(COMPAT, SCOPE_A, keys(*range(len(held)))))
+    expected = {}
+    for holder in {H1, H2, I1, I2}:
+        leading = next((n for n, holders in enumerate(held) if holder not in holders), len(held))
+        if leading:
+            expected[holder] = leading
+    assert dict(runs) == expected
+    assert [n for _, n in runs] == sorted(expected.values(), reverse=True)
 
 
 def test_lookup_stops_at_the_first_miss(table: ReplicaTable) -> None:

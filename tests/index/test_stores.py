@@ -9,10 +9,14 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from kvsp.auth import Principal, Role
 from kvsp.core.clock import SystemClock
 from kvsp.core.problems import CapacityExhausted, ServiceUnavailable, StaleEpoch
+from kvsp.core.records import LookupRequest, LookupResponse
+from kvsp.index.queries import decode_lookup
 from kvsp.index.replicas import arrays_of
 from kvsp.index.rules import IndexLimits
+from kvsp.index.service import IndexService
 from kvsp.index.stores import MemoryReplicaStore, RedisReplicaStore, ReplicaStore, open_store
 from kvsp.index.wire import answer_json
 from kvsp.quotas import Quota, Quotas
@@ -62,6 +66,33 @@ async def test_prefix_lookup(store: ReplicaStore) -> None:
     (served,) = json.loads(result.matched[1].rendered())
     assert served["block_key"] == key(1)
     assert served["ttl_ms"] == 2_000
+
+
+async def test_the_compact_answer_names_each_holder_with_its_leading_blocks(
+    store: ReplicaStore,
+) -> None:
+    """H1 holds blocks 0-2, H2 blocks 0 and 2 (a gap: one leading block), H3 only block 1."""
+    h3 = "http://127.0.0.1:9203/kvsp/"
+    await store.publish([replica(n) for n in range(3)])
+    await store.publish([replica(0, holder=H2), replica(2, holder=H2), replica(1, holder=h3)])
+    await store.put_status(status(I1, links=[{"holder": H1, "mbit_per_s": 8, "rtt_us": 100}]))
+    service = IndexService(store)
+    pc = Principal("pc", frozenset({Role.CONTROLLER}), frozenset({SCOPE_A}), frozenset())
+    body = {"scope_id": SCOPE_A, "compat_id": COMPAT, "block_keys": keys(0, 1, 2, 3)}
+    for query in (decode_lookup(json.dumps({**body, "answer": "holders"}).encode()),
+                  LookupRequest.parse({**body, "answer": "holders", "targets": [I1],
+                                       "block_tokens": 16})):  # fmt: skip
+        compact = LookupResponse.parse(await service.lookup(pc, query))
+        assert compact.matched == 3
+        assert len(compact.estimates) == len(query.targets or ())
+        assert [(h.holder, h.blocks) for h in compact.holders or ()] == [(H1, 3), (H2, 1)]
+    full = json.loads(await service.lookup(pc, decode_lookup(json.dumps(body).encode())))
+    assert full["matched"] == 3
+    assert "holders" not in full
+    nothing = await service.lookup(pc, decode_lookup(
+        json.dumps({**body, "block_keys": keys(7), "answer": "holders"}).encode()
+    ))  # fmt: skip
+    assert json.loads(nothing) == {"matched": 0, "holders": [], "estimates": []}
 
 
 async def test_the_answer_is_the_lookup_rendered(store: ReplicaStore) -> None:

@@ -52,6 +52,7 @@ __all__ = [
     "FetchRange",
     "Hex16",
     "Hex32",
+    "HolderMatch",
     "HttpUrl",
     "InstanceState",
     "InstanceStatusRecord",
@@ -591,6 +592,9 @@ class LookupRequest(Record):
     targets: Annotated[tuple[HttpUrl, ...], Field(max_length=256)] | None = None
     #: extension: tokens per block, so the IS can estimate ``recompute_us``
     block_tokens: Annotated[StrictInt, Field(ge=1, le=1 << 20)] | None = None
+    #: extension: ``"holders"`` asks for the compact answer (``holders``, no records), what a
+    #: router needs to pick an instance
+    answer: Literal["holders"] | None = None
 
     @field_validator("block_keys")
     @classmethod
@@ -610,14 +614,26 @@ class TargetEstimate(Record):
     fetch_blocks: U32 | None = None
 
 
+class HolderMatch(Record):
+    """Extension: a holder of the matched prefix, and how many of its leading blocks it holds."""
+
+    holder: HttpUrl
+    blocks: PositiveU32
+
+
 class LookupResponse(Record):
     matched: U32
     replicas: tuple[tuple[ReplicaRecord, ...], ...] = ()
     estimates: tuple[TargetEstimate, ...] = ()
+    #: extension: the compact answer (``"answer": "holders"``), in place of ``replicas``
+    holders: tuple[HolderMatch, ...] | None = None
 
     @model_validator(mode="after")
     def _one_list_per_match(self) -> Self:
-        if len(self.replicas) != self.matched or any(not r for r in self.replicas):
+        if self.holders is not None:
+            if self.replicas or max((h.blocks for h in self.holders), default=0) != self.matched:
+                raise ValueError("a compact answer has no replicas and a holder of every match")
+        elif len(self.replicas) != self.matched or any(not r for r in self.replicas):
             raise ValueError("replicas must list at least one record for each matched key")
         return self
 

@@ -14,7 +14,7 @@ lookup computes estimates and is not the cheap one anyway.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, NamedTuple, Protocol
+from typing import Annotated, Literal, NamedTuple, Protocol
 
 import msgspec
 
@@ -44,6 +44,9 @@ class LookupQuery(Protocol):
     @property
     def block_tokens(self) -> int | None: ...
 
+    @property
+    def answer(self) -> Literal["holders"] | None: ...
+
 
 def _hex(digits: int) -> msgspec.Meta:
     """A fixed length here; the digits are checked by ``is_hex`` (msgspec's patterns run
@@ -60,6 +63,7 @@ class LookupBody(msgspec.Struct, frozen=True):
     block_keys: msgspec.Raw
     targets: list[str] | None = None
     block_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
+    answer: Literal["holders"] | None = None
 
 
 class Lookup(NamedTuple):
@@ -69,6 +73,7 @@ class Lookup(NamedTuple):
     compat_id: str
     block_keys: PackedKeys
     block_tokens: int | None
+    answer: Literal["holders"] | None
     targets: None = None
 
 
@@ -104,4 +109,4 @@ def decode_lookup(body: bytes) -> LookupQuery:
         raise RecordError(f"LookupRequest: {exc}") from None
     except RecursionError:
         raise RecordError("LookupRequest: nested too deeply") from None
-    return Lookup(doc.scope_id, doc.compat_id, PackedKeys(packed), doc.block_tokens)
+    return Lookup(doc.scope_id, doc.compat_id, PackedKeys(packed), doc.block_tokens, doc.answer)

@@ -40,7 +40,14 @@ from kvsp.index.wire import (
     split_array,
 )
 
-__all__ = ["BlockReplicas", "PublishOutcome", "ReplicaTable", "StoredReplica", "arrays_of"]
+__all__ = [
+    "BlockReplicas",
+    "PublishOutcome",
+    "ReplicaTable",
+    "StoredReplica",
+    "arrays_of",
+    "holder_runs",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +166,17 @@ class BlockReplicas:
 def arrays_of(blocks: Sequence[BlockReplicas]) -> list[bytes]:
     """The JSON arrays of the blocks, for ``answer_json``."""
     return [b.rendered() for b in blocks]
+
+
+def holder_runs(blocks: Sequence[BlockReplicas]) -> list[tuple[str, int]]:
+    """Each holder of the first block with the number of leading blocks it holds, most first
+    (then by URL): what a router weighs, without the records."""
+    runs: dict[str, int] = {}
+    for i, block in enumerate(blocks):
+        for replica in block.replicas:
+            if runs.get(replica.holder, 0) == i:
+                runs[replica.holder] = i + 1
+    return sorted(runs.items(), key=lambda run: (-run[1], run[0]))
 
 
 class ReplicaTable:

@@ -30,7 +30,7 @@ from kvsp.core.records import (
     ReplicaRef,
 )
 from kvsp.index.queries import LookupQuery
-from kvsp.index.replicas import PublishOutcome, arrays_of
+from kvsp.index.replicas import PublishOutcome, arrays_of, holder_runs
 from kvsp.index.rules import (
     DESCRIPTOR_ROLES,
     authorize_lookup,
@@ -40,7 +40,7 @@ from kvsp.index.rules import (
 )
 from kvsp.index.statuses import estimate_targets
 from kvsp.index.stores import ReplicaStore
-from kvsp.index.wire import answer_json
+from kvsp.index.wire import answer_json, holders_json
 
 __all__ = ["IndexMetrics", "IndexService"]
 
@@ -199,27 +199,30 @@ class IndexService:
         ).encode()
 
     async def lookup(self, principal: Principal, query: LookupQuery) -> bytes:
-        """The answer's JSON; without estimates to make, straight from the store's ``answer``."""
+        """The answer's JSON: without estimates or the compact form to make, straight from the
+        store's ``answer``."""
         authorize_lookup(principal, query.scope_id)
         block_tokens = query.block_tokens
         if query.targets and block_tokens is None:
             block_tokens = await self._block_tokens_of(query.compat_id)
-        if not query.targets or block_tokens is None:
+        # targets without a known block size get no estimates
+        targets = query.targets or () if block_tokens is not None else ()
+        if not targets and query.answer is None:
             matched, answer = await self.store.answer(
                 query.compat_id, query.scope_id, query.block_keys
             )
             self.metrics.lookups.observe(len(query.block_keys), matched)
             return answer
-        result = await self.store.lookup(
-            query.compat_id, query.scope_id, query.block_keys, query.targets
-        )
+        result = await self.store.lookup(query.compat_id, query.scope_id, query.block_keys, targets)
         blocks = result.matched
         self.metrics.lookups.observe(len(query.block_keys), len(blocks))
-        estimates = estimate_targets(query.targets, result.statuses, blocks, block_tokens)
-        return answer_json(
-            arrays_of(blocks),
-            ",".join(e.model_dump_json(exclude_none=True) for e in estimates).encode(),
-        )
+        estimates = b""
+        if targets and block_tokens is not None:
+            made = estimate_targets(targets, result.statuses, blocks, block_tokens)
+            estimates = ",".join(e.model_dump_json(exclude_none=True) for e in made).encode()
+        if query.answer == "holders":
+            return holders_json(holder_runs(blocks), estimates)
+        return answer_json(arrays_of(blocks), estimates)
 
     async def put_status(self, principal: Principal, status: InstanceStatusRecord) -> None:
         authorize_status(principal, status)

@@ -10,6 +10,7 @@ marks exactly the boundaries of an array's records: ``split_array`` undoes ``joi
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from typing import overload
 
@@ -23,6 +24,7 @@ __all__ = [
     "PackedKeys",
     "Space",
     "answer_json",
+    "holders_json",
     "identity_prefix",
     "join_array",
     "probed",
@@ -83,6 +85,17 @@ def answer_json(arrays: Sequence[bytes], estimates: bytes = b"") -> bytes:
         ANSWER_END,
         estimates,
     )
+
+
+def holders_json(runs: Sequence[tuple[str, int]], estimates: bytes = b"") -> bytes:
+    """A compact lookup answer (``"answer": "holders"``): each holder of the matched prefix
+    with the count of its leading blocks it holds (``holder_runs``), and the estimates."""
+    listed = b",".join(
+        b'{"holder":%s,"blocks":%d}' % (json.dumps(holder).encode(), blocks)
+        for holder, blocks in runs
+    )
+    matched = max((blocks for _, blocks in runs), default=0)
+    return b'{"matched":%d,"holders":[%s],"estimates":[%s]}' % (matched, listed, estimates)
 
 
 class PackedKeys(Sequence[str]):
