@@ -96,15 +96,19 @@ def prompt_tokens(hit: str) -> list[list[int]]:
     return out
 
 
-def publish_all(endpoint: str, replay: str, batches: list[Any]) -> Any:
+#: seconds a subscriber is given to connect to a new publisher (ZMQ's PUB drops what it sends
+#: before then)
+CONNECT_S = 1.0
+
+
+def publisher_for(endpoint: str, replay: str, batches: list[Any]) -> Any:
+    """vLLM's publisher on ``endpoint``, its replay buffer holding every one of ``batches``."""
     from vllm.distributed.kv_events import ZmqEventPublisher
 
-    publisher = ZmqEventPublisher(
+    return ZmqEventPublisher(
         0, endpoint=endpoint, replay_endpoint=replay, buffer_steps=len(batches),
         max_queue_size=len(batches),
     )  # fmt: skip
-    time.sleep(1.0)  # the subscriber connects
-    return publisher
 
 
 def as_i64(hashes: list[int]) -> list[int]:
@@ -175,7 +179,8 @@ class Peers:
         })  # fmt: skip
         sample = [BLOCKS - CHAIN, *random.Random(3).sample(range(0, BLOCKS, CHAIN), 32)]
         queries = self.dynamo_queries([chain_tokens(first, CHAIN) for first in sample])
-        publisher = publish_all(endpoint, replay, batches)
+        publisher = publisher_for(endpoint, replay, batches)
+        time.sleep(CONNECT_S)
         start = time.perf_counter()
         for batch in batches:
             publisher.publish(batch)
@@ -290,7 +295,8 @@ async def ingest_kvsp(peers: Peers, batches: list[Any]) -> float:
     client = IndexClient(base, "ingest")
     stream = PodStream(pod, client, zmq.asyncio.Context.instance())
     task = asyncio.create_task(stream.run())
-    publisher = publish_all(pod.endpoint, f"ipc://{folder}/kvsp-replay", batches)
+    publisher = publisher_for(pod.endpoint, f"ipc://{folder}/kvsp-replay", batches)
+    await asyncio.sleep(CONNECT_S)  # the stream's task runs: its socket connects
     start = time.perf_counter()
     for batch in batches:
         publisher.publish(batch)

@@ -13,6 +13,7 @@ lookup computes estimates and is not the cheap one anyway.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import Annotated, Literal, NamedTuple, Protocol
 
@@ -91,7 +92,7 @@ def _packed(block_keys: msgspec.Raw) -> bytes:
         packed = b"".join(map(bytes.fromhex, keys))
     if len(packed) > 32 * MAX_KEYS_PER_REQUEST:
         raise ValueError(f"a lookup names at most {MAX_KEYS_PER_REQUEST} block keys")
-    if len({packed[i : i + 32] for i in range(0, len(packed), 32)}) * 32 != len(packed):
+    if len(set(struct.iter_unpack("32s", packed))) * 32 != len(packed):  # keys cut in C
         raise ValueError("a key appears twice: a chain of Block Keys never repeats one")
     return packed
 

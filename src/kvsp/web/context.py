@@ -56,12 +56,12 @@ def request_ids(request_id: str | None, traceparent: str | None) -> RequestIds:
     (an invalid ``traceparent`` starts a new trace, as W3C Trace Context says)."""
     rid = request_id if request_id is not None and _REQUEST_ID.fullmatch(request_id) else None
     parsed = _TRACEPARENT.fullmatch(traceparent.strip().lower()) if traceparent else None
+    fresh = secrets.token_hex(32)  # one read of the system's random source, not three
     if parsed is not None and parsed[1] != _ZERO_TRACE and parsed[2] != _ZERO_SPAN:
         trace_id, sampled, parent = parsed[1], bool(int(parsed[3], 16) & 1), parsed[2]
     else:
-        trace_id, sampled, parent = secrets.token_hex(16), True, None
-    span_id = secrets.token_hex(8)
-    return RequestIds(rid or secrets.token_hex(8), trace_id, span_id, sampled, parent)
+        trace_id, sampled, parent = fresh[32:], True, None
+    return RequestIds(rid or fresh[:16], trace_id, fresh[16:32], sampled, parent)
 
 
 @contextmanager

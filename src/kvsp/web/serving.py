@@ -482,10 +482,6 @@ def configure_logs(log_level: str, log_format: str = "text", service: str = "kvs
         logger.propagate = False
 
 
-#: a path segment that names one thing (a key, a UUID, a Scope ID): span names keep the route
-_ID_SEGMENT = re.compile(r"/(?=[0-9a-fA-F-]{16,}(?:/|$))[0-9a-fA-F-]+")
-
-
 class RequestContext:
     """The ASGI app ``app`` with each HTTP request served under its ids
     (``kvsp.web.context``): its log lines and its calls to peers carry them, and the answer
@@ -508,9 +504,7 @@ class RequestContext:
                 message = {**message, "headers": [*message.get("headers", ()), named]}
             await send(message)
 
-        name = f"{scope['method']} {_ID_SEGMENT.sub('/{id}', scope['path'])}"
-        with tracing.server_span(name, ids, **{"http.request.method": scope["method"],
-                                               "url.path": scope["path"]}):  # fmt: skip
+        with tracing.server_span(scope["method"], scope["path"], ids):
             await self.app(scope, receive, send_named)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -90,16 +91,21 @@ def _child(
             yield current
 
 
+#: a path segment that names one thing (a key, a UUID, a Scope ID): span names keep the route
+_ID_SEGMENT = re.compile(r"/(?=[0-9a-fA-F-]{16,}(?:/|$))[0-9a-fA-F-]+")
+
+
 @contextmanager
-def server_span(
-    name: str, ids: context.RequestIds, **attributes: Any
-) -> Iterator[context.RequestIds]:
-    """Serve a request under ``ids`` (its parent the span that called), as a server span when
-    spans are exported; yields the ids the request is served with."""
+def server_span(method: str, path: str, ids: context.RequestIds) -> Iterator[context.RequestIds]:
+    """Serve a request for ``method`` ``path`` under ``ids`` (its parent the span that called),
+    as a server span when spans are exported (named by the route, not the ids in the path);
+    yields the ids the request is served with."""
     if _tracer is None:
         with context.using(ids):
             yield ids
         return
+    name = f"{method} {_ID_SEGMENT.sub('/{id}', path)}"
+    attributes = {"http.request.method": method, "url.path": path}
     with _child(name, "SERVER", ids, ids.parent_id, attributes):
         current = context.current()
         assert current is not None
