@@ -123,5 +123,5 @@ bench: bench-deps
 
 # kvsp beside the peers it is measured against, in one run (benchmarks/_peers.py)
 bench-peers: peer-deps
-	$(call run-benchmarks,peer_block_get peer_lookup peer_indexer peer_vllm peer_sim,Latest run \
-		against the peers)
+	$(call run-benchmarks,peer_block_get peer_lookup peer_indexer peer_vllm peer_sim engine_reuse,Latest \
+		run against the peers)

@@ -6,8 +6,9 @@
 - ``remote``: the same 127 blocks fetched from a ``kvsp holder serve`` process over HTTP (8 at a
   time, every digest verified), imported, the last 16 tokens prefilled, then the first token.
 
-Ratios are to ``recompute`` (target: remote <= 0.15). The remote fetch's rate is also given as a
-ratio to a raw loopback socket moving the same octets (``benchmarks/holder_transfer.py``).
+Ratios are to ``recompute`` (target: remote <= 0.05). ``g2`` bounds ``remote``: it is the same
+import and prefill with nothing fetched. The remote fetch's rate is also given as a ratio to a
+raw loopback socket moving the same octets (``benchmarks/holder_transfer.py``).
 All three produce the same first token (checked).
 """
 
@@ -32,6 +33,8 @@ from kvsp.instance.engine import Engine, KvState
 from kvsp.model import install
 
 PROMPT_TOKENS = 2048
+#: remote-prefix TTFT / recompute
+TARGET = 0.05
 COMPAT = "c0" * 32
 SCOPE = "a1" * 16
 GREEDY = Sampler(method="greedy", deterministic=True)
@@ -126,10 +129,11 @@ def main() -> None:
                 "prompt_tokens": PROMPT_TOKENS,
                 "reused_tokens": cut,
                 "limits": {
-                    "remote": "TTFT with the prefix fetched remotely / recompute (<= 0.15)",
+                    "remote": f"TTFT with the prefix fetched remotely / recompute (<= {TARGET})",
+                    "g2": "TTFT with the prefix in host memory / recompute: remote's bound",
                     "fetch": "verified fetch rate / raw loopback socket, same octets (reported)",
                 },
-                "meets_target": same and ratio_remote <= 0.15,
+                "meets_target": same and ratio_remote <= TARGET,
                 "results": {
                     "ttft_recompute_s": round(recompute_s, 3),
                     "ttft_g2_s": round(g2_s, 3),
