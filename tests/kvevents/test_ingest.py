@@ -35,6 +35,8 @@ from tests.servers import serving
 
 pytestmark = pytest.mark.anyio
 POD = "http://pod.test/"
+#: a second ingest's name for the same pod's blocks
+LATE = "http://late.test/"
 TOKENS = list(range(700, 764))
 encode = msgspec.msgpack.Encoder().encode
 
@@ -78,7 +80,7 @@ class Env:
 @pytest.fixture
 async def env() -> AsyncIterator[Env]:
     principals = Principals.parse(
-        principal("ingest", ["ingest"], [POD]) + principal("reader", ["client"])
+        principal("ingest", ["ingest"], [POD, LATE]) + principal("reader", ["client"])
     )
     service = IndexService(MemoryReplicaStore(SystemClock(), IndexLimits()))
     async with serving(create_index_app(service, principals)) as base:
@@ -127,6 +129,47 @@ async def test_vllms_own_publisher_stores_removes_and_restarts(env: Env) -> None
             return env.stream.resets == 1 and len(await env.held(TOKENS)) == 1
 
         await env.until(restarted)
+    finally:
+        publisher.shutdown()
+
+
+async def test_an_ingest_started_late_reads_the_replay_buffer_at_once(env: Env) -> None:
+    publisher = ZmqEventPublisher(0, endpoint=env.endpoint, replay_endpoint=env.replay)
+    try:
+        await asyncio.sleep(0.5)
+        publisher.publish(
+            KVEventBatch(ts=time.time(), events=[stored([11, 12], None, TOKENS[:32])])
+        )
+
+        async def two() -> bool:
+            return len(await env.held(TOKENS)) == 2
+
+        await env.until(two)
+        # the pod goes idle; an ingest started now learns its blocks without another batch
+        source = PodSource(LATE, COMPAT, 16, 30, ACME, {}, ttl_ms=60_000)
+        pod = PodEndpoint("pod-a", source, env.endpoint, env.replay)
+        late = PodStream(pod, env.index, zmq.asyncio.Context.instance())
+        task = asyncio.create_task(late.run())
+        try:
+
+            async def both() -> bool:
+                return len(await env.held(TOKENS)) == 4
+
+            await env.until(both)
+            assert {holder for holder, _ in await env.held(TOKENS)} == {POD, LATE}
+            # the live stream goes on from the buffer's last batch, none applied twice
+            publisher.publish(
+                KVEventBatch(ts=time.time(), events=[stored([13], 12, TOKENS[32:48])])
+            )
+
+            async def three_each() -> bool:
+                return len(await env.held(TOKENS)) == 6
+
+            await env.until(three_each)
+            assert (late.batches, late.resets) == (2, 0)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
     finally:
         publisher.shutdown()
 

@@ -5,6 +5,9 @@ batch into record changes, which are written to the IS in batches once the socke
 for 5 ms (or 2,000 changes are pending), and written again before their TTL runs out (a
 third of it), so a pod whose stream stops is forgotten within one TTL.
 
+On start, a stream reads what the pod's replay buffer holds before any message: an ingest that
+starts, or restarts, beside an idle pod knows its blocks without waiting for its next batch.
+
 Sequence numbers decide what the records can be trusted for. On the first message, and after
 the sequence went back (the pod restarted) or the topic changed (a kvsp instance's epoch), the
 pod's records are dropped and whatever the pod's replay buffer still holds is read from 0:
@@ -123,6 +126,7 @@ class PodStream:
         sub.connect(self.pod.endpoint)
         refresh = asyncio.create_task(self._refresh())
         try:
+            await self._catch_up()
             while True:
                 frames = await sub.recv_multipart()
                 await self._take(frames)
@@ -138,6 +142,10 @@ class PodStream:
             log.warning("pod %s sent a message that is not a KV event batch", self.pod.name)
             return
         topic, seq = frames[0], int.from_bytes(frames[1], "big")
+        if self.topic is None and self.last is not None:  # caught up from the replay buffer
+            if seq <= self.last:  # sent while the buffer was read: applied already
+                return
+            self.topic = topic
         if self.last is not None and self.topic == topic and seq == self.last + 1:
             self._apply(seq, frames[2])
             return
@@ -168,10 +176,23 @@ class PodStream:
             self.batches += 1
         self.last = seq
 
-    async def _replay(self, start: int, until: int) -> None:
-        """Apply batches ``start`` to ``until - 1`` from the pod's replay buffer; drop the
-        pod's records where the buffer no longer holds ``start`` (a gap after it)."""
-        got = await self._ask_replay(start) if until > start else []
+    async def _catch_up(self) -> None:
+        """Apply what the pod's replay buffer holds, before the first message: an ingest
+        started (or restarted) beside an idle pod knows its blocks without waiting for its next
+        batch. The buffer names no topic: the first message's is taken as the pod's."""
+        got = await self._ask_replay(0)
+        if got:
+            await self._replay(got[0][0], got[-1][0] + 1, got)
+            await self.flush()
+
+    async def _replay(
+        self, start: int, until: int, got: list[tuple[int, bytes]] | None = None
+    ) -> None:
+        """Apply batches ``start`` to ``until - 1`` from the pod's replay buffer (read now, or
+        ``got`` from it); drop the pod's records where the buffer no longer holds ``start``
+        (a gap after it)."""
+        if got is None:
+            got = await self._ask_replay(start) if until > start else []
         wanted = [(s, p) for s, p in got if start <= s < until]
         if start and (not wanted or wanted[0][0] != start) and until > start:
             self._reset(f"batches {start} to {until - 1} were lost")
