@@ -37,7 +37,7 @@ from kvsp.index.rules import (
     check_path,
 )
 from kvsp.index.service import IndexService
-from kvsp.web.openapi import ANYONE, HotRoutes, Op, obj, principal_of, routes_of
+from kvsp.web.openapi import ANYONE, Op, obj, principal_of, routes_of
 from kvsp.web.probes import metrics_op, probe_ops
 from kvsp.web.server import (
     AsgiEndpoint,
@@ -86,7 +86,7 @@ def create_app(
     service: IndexService,
     principals: Principals,
     max_body_octets: int = DEFAULT_MAX_BODY_OCTETS,
-) -> HotRoutes:
+) -> Starlette:
     async def publish(request: Request) -> Response:
         compat, scope, block_key = _block_path(request)
         principal = principal_of(request.scope)
@@ -175,7 +175,5 @@ def create_app(
         routes=routes_of(BASE, "kvsp Index Service", ops, principals),
         lifespan=lifespan_of(service.store.start, service.store.close),
     )
-    responder = install_problem_handlers(
-        app, log, lambda slug: service.metrics.rejected.labels(slug).inc()
-    )
-    return HotRoutes(app, responder)
+    install_problem_handlers(app, log, lambda slug: service.metrics.rejected.labels(slug).inc())
+    return app

@@ -16,17 +16,14 @@ from typing import Any
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, request_response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvsp.auth import Principal, Principals, Role, authorize
-from kvsp.core.problems import KvspError
 from kvsp.core.registries import JSON_MEDIA_TYPE, PROBLEM_MEDIA_TYPE
-from kvsp.web.server import AsgiEndpoint, ProblemResponder, header_value
+from kvsp.web.server import AsgiEndpoint, header_value
 
 __all__ = [
     "ANYONE",
@@ -35,7 +32,6 @@ __all__ = [
     "PATH_PARAMETERS",
     "PROBLEM_SCHEMA",
     "Body",
-    "HotRoutes",
     "Op",
     "access_rows",
     "obj",
@@ -151,52 +147,6 @@ class _Guarded:
             authorize(principal, self._roles, scope=scope.get("path_params", {}).get("scope"))
             scope[_PRINCIPAL] = principal
         await self._app(scope, receive, send)
-
-
-class HotRoutes:
-    """A service's app, its bare ASGI endpoints on fixed paths (``AsgiEndpoint``: the hottest
-    routes) served before Starlette's middleware and router. Profiled under ``wrk`` on index
-    lookups, those took a tenth of the server's time for a dictionary lookup's work. Errors get
-    the app's own problem documents, logged once; every other request is the app's."""
-
-    def __init__(self, app: Starlette, responder: ProblemResponder) -> None:
-        self.app = app
-        self._responder = responder
-        self._hot: dict[tuple[str, str], _Guarded] = {
-            (method, route.path): route.endpoint
-            for route in app.routes
-            if isinstance(route, Route) and "{" not in route.path
-            and isinstance(route.endpoint, _Guarded)
-            and isinstance(route.endpoint.endpoint, AsgiEndpoint)
-            for method in route.methods or ()
-        }  # fmt: skip
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        hot = self._hot.get((scope["method"], scope["path"])) if scope["type"] == "http" else None
-        if hot is None:
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def watched(message: Message) -> None:
-            nonlocal started
-            started = True
-            await send(message)
-
-        try:
-            await hot(scope, receive, watched)
-        except Exception as exc:
-            if started:  # too late for a problem document: the server closes the connection
-                raise
-            request = Request(scope, receive)
-            responder = self._responder
-            if isinstance(exc, KvspError):
-                await (await responder.kvsp_error(request, exc))(scope, receive, send)
-            elif isinstance(exc, HTTPException):
-                await (await responder.http_error(request, exc))(scope, receive, send)
-            else:  # answered, then raised for the server to see, as Starlette does
-                await (await responder.unexpected(request, exc))(scope, receive, send)
-                raise
 
 
 def routes_of(base: str, title: str, ops: Sequence[Op], principals: Principals) -> list[Route]:
