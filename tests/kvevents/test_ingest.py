@@ -55,9 +55,13 @@ class Env:
         self.reader = reader
         self.endpoint = f"ipc://{folder}/pub"
         self.replay = f"ipc://{folder}/replay"
-        source = PodSource(POD, COMPAT, 16, 30, ACME, {}, ttl_ms=60_000)
+        self.stream = self.stream_for(POD)
+
+    def stream_for(self, holder: str) -> PodStream:
+        """A stream of the pod's events that names ``holder`` in the records it writes."""
+        source = PodSource(holder, COMPAT, 16, 30, ACME, {}, ttl_ms=60_000)
         pod = PodEndpoint("pod-a", source, self.endpoint, self.replay)
-        self.stream = PodStream(pod, index, zmq.asyncio.Context.instance())
+        return PodStream(pod, self.index, zmq.asyncio.Context.instance())
 
     async def held(self, tokens: list[int]) -> list[tuple[str, tuple[str, ...]]]:
         """Per block of ``tokens``: the pod's record's tiers, as the IS answers a lookup."""
@@ -146,9 +150,7 @@ async def test_an_ingest_started_late_reads_the_replay_buffer_at_once(env: Env) 
 
         await env.until(two)
         # the pod goes idle; an ingest started now learns its blocks without another batch
-        source = PodSource(LATE, COMPAT, 16, 30, ACME, {}, ttl_ms=60_000)
-        pod = PodEndpoint("pod-a", source, env.endpoint, env.replay)
-        late = PodStream(pod, env.index, zmq.asyncio.Context.instance())
+        late = env.stream_for(LATE)
         task = asyncio.create_task(late.run())
         try:
 

@@ -182,17 +182,17 @@ class PodStream:
         batch. The buffer names no topic: the first message's is taken as the pod's."""
         got = await self._ask_replay(0)
         if got:
-            await self._replay(got[0][0], got[-1][0] + 1, got)
+            self._apply_replayed(got[0][0], got[-1][0] + 1, got)
             await self.flush()
 
-    async def _replay(
-        self, start: int, until: int, got: list[tuple[int, bytes]] | None = None
-    ) -> None:
-        """Apply batches ``start`` to ``until - 1`` from the pod's replay buffer (read now, or
-        ``got`` from it); drop the pod's records where the buffer no longer holds ``start``
-        (a gap after it)."""
-        if got is None:
-            got = await self._ask_replay(start) if until > start else []
+    async def _replay(self, start: int, until: int) -> None:
+        """Apply batches ``start`` to ``until - 1`` from the pod's replay buffer."""
+        got = await self._ask_replay(start) if until > start else []
+        self._apply_replayed(start, until, got)
+
+    def _apply_replayed(self, start: int, until: int, got: list[tuple[int, bytes]]) -> None:
+        """Apply batches ``start`` to ``until - 1`` of ``got`` (read from the replay buffer);
+        drop the pod's records where the buffer no longer held ``start`` (a gap after it)."""
         wanted = [(s, p) for s, p in got if start <= s < until]
         if start and (not wanted or wanted[0][0] != start) and until > start:
             self._reset(f"batches {start} to {until - 1} were lost")
