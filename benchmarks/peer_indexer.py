@@ -56,6 +56,7 @@ from kvsp.kvevents.ingest import PodEndpoint, PodStream
 from kvsp.kvevents.pods import PodSource
 from kvsp.model import install
 from kvsp.tenants import Tenants
+from kvsp.web.serving import tune_collector
 
 BLOCKS = 1_000_000
 CHAIN = 64
@@ -299,7 +300,9 @@ async def records_held(http: httpx.AsyncClient, base: str) -> int:
 
 async def ingest_kvsp(peers: Peers, batches: list[Any]) -> float:
     """Blocks/s from the first batch sent until the IS holds every block's record, through a
-    ``PodStream`` (as ``kvsp index ingest`` runs it) from a publisher of its own."""
+    ``PodStream`` (as ``kvsp index ingest`` runs it, its collector tuned alike) from a
+    publisher of its own."""
+    tune_collector()
     base, folder = peers.index.base_url, peers.folder
     source = PodSource(
         "http://pod.bench/", peers.compat, BLOCK_TOKENS, peers.files.descriptor.geometry.layers,

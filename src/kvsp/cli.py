@@ -406,9 +406,10 @@ def index_ingest_command(
     from kvsp.kvevents.ingest import ingest, load_pods
     from kvsp.model import installed, system_prefix
     from kvsp.tenants import Tenants
-    from kvsp.web.serving import configure_logs
+    from kvsp.web.serving import configure_logs, tune_collector
 
     configure_logs(log_level, log_format, "ingest")
+    tune_collector()
     files = installed(None, block_tokens)
     known = Tenants.load(tenants, system_prefix(files))
     descriptor = files.descriptor

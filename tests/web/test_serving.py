@@ -4,6 +4,7 @@ and nothing held is lost or sent late; a service served this way answers as uvic
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import socket
 import subprocess
@@ -17,12 +18,14 @@ import pytest
 from starlette.types import Receive, Scope, Send
 
 from kvsp.web.serving import (
+    GC_YOUNG_ALLOCATIONS,
     HELD_OCTETS_LIMIT,
     FrontDoor,
     HeldWrites,
     PrintableFormatter,
     parse_front_door,
     printable,
+    tune_collector,
 )
 from tests.servers import serving
 
@@ -213,3 +216,13 @@ def test_the_private_uvicorn_api_served_on_is_the_tested_one() -> None:
     assert overridden
     for name in overridden - {n for n in vars(HttpProtocol) if n.startswith("_")}:
         assert hasattr(HttpToolsProtocol, name), name
+
+
+def test_tuning_the_collector_changes_only_how_often_young_objects_are_collected() -> None:
+    before = gc.get_threshold()
+    try:
+        tune_collector()
+        assert gc.get_threshold() == (GC_YOUNG_ALLOCATIONS, before[1], before[2])
+        assert gc.isenabled()
+    finally:
+        gc.set_threshold(*before)

@@ -14,11 +14,14 @@ from pydantic import BaseModel, ValidationError
 
 from kvsp.core.problems import InvalidInput
 
-__all__ = ["decimal", "format_validation_error", "parse_model"]
+__all__ = ["MAX_LISTED_ERRORS", "decimal", "format_validation_error", "parse_model"]
 
 M = TypeVar("M", bound=BaseModel)
 
 _DECIMAL = re.compile(r"[0-9]{1,18}")
+#: offending members a message names at most: a batch of thousands of bad records is refused
+#: with a detail (and a log line) of a few hundred octets, not one line per member
+MAX_LISTED_ERRORS = 8
 
 
 def decimal(text: str) -> int | None:
@@ -31,12 +34,16 @@ def decimal(text: str) -> int | None:
 
 
 def format_validation_error(exc: ValidationError) -> str:
-    """One line naming every offending member, for problem details and CLI errors."""
+    """One line naming the offending members (the first ``MAX_LISTED_ERRORS``, then how many
+    more), for problem details and CLI errors."""
+    errors = exc.errors()
     parts = []
-    for err in exc.errors():
+    for err in errors[:MAX_LISTED_ERRORS]:
         where = ".".join(str(p) for p in err["loc"]) or "body"
         msg = "unknown member" if err["type"] == "extra_forbidden" else err["msg"]
         parts.append(f"{where}: {msg}")
+    if len(errors) > MAX_LISTED_ERRORS:
+        parts.append(f"and {len(errors) - MAX_LISTED_ERRORS} more")
     return "; ".join(parts)
 
 
