@@ -242,7 +242,8 @@ class ReplicaTable:
         blocks = self._spaces.get(space)
         if blocks is None:
             blocks = self._spaces[space] = KeyTable()
-        summary_key = (record.holder, record.size, record.layer_count, record.residency)
+        residency = tuple((r.tier, r.layers, r.read_mbit_per_s) for r in record.residency)
+        summary_key = (record.holder, record.size, record.layer_count, residency)
         summary = self._summary_of.get(summary_key)
         if summary is None:  # equal records share one summary, built once
             built = ReplicaSummary.of(record)
