@@ -38,12 +38,13 @@ from pydantic import (
 from kvsp.core.compat import DIGEST_PATTERN
 from kvsp.core.container import replica_digest
 from kvsp.core.ids import HEX16_PATTERN, HEX32_PATTERN
-from kvsp.core.problems import RecordError
+from kvsp.core.problems import PayloadTooLarge, RecordError
 from kvsp.core.registries import CODECS, Tier
 from kvsp.core.urls import canonical_url
 from kvsp.core.validation import parse_model
 
 __all__ = [
+    "MAX_BATCH_ENTRIES",
     "MAX_KEYS_PER_REQUEST",
     "MOQT_NAMESPACE_FIELDS",
     "MOQT_PUBLISHER",
@@ -93,6 +94,8 @@ __all__ = [
 
 #: Bound on keys in one request body, so no client can make a service hold unbounded lists.
 MAX_KEYS_PER_REQUEST = 65_536
+#: Entries (puts plus deletes) in one ``POST replicas``.
+MAX_BATCH_ENTRIES = 4096
 MOQT_NAMESPACE_FIELDS = 5
 _MAX_URL = 2048
 _U32_MAX = 0xFFFFFFFF
@@ -333,11 +336,19 @@ def _check_holder(holder: str, moqt_namespace: str | None) -> None:
 
 
 class ReplicaBatch(Record):
-    """``POST replicas``: publish and withdraw many records in one request (the service
-    bounds the number of entries)."""
+    """``POST replicas``: publish and withdraw many records in one request, at most
+    ``MAX_BATCH_ENTRIES`` of them (puts plus deletes); more is a 413."""
 
-    put: tuple[ReplicaRecord, ...] = ()
-    delete: tuple[ReplicaRef, ...] = ()
+    put: Annotated[tuple[ReplicaRecord, ...], Field(max_length=MAX_BATCH_ENTRIES)] = ()
+    delete: Annotated[tuple[ReplicaRef, ...], Field(max_length=MAX_BATCH_ENTRIES)] = ()
+
+    @classmethod
+    def parse(cls, data: str | bytes | Mapping[str, Any]) -> Self:
+        batch = parse_model(cls, data, RecordError, cls.__name__, too_long=PayloadTooLarge)
+        entries = len(batch.put) + len(batch.delete)
+        if entries > MAX_BATCH_ENTRIES:
+            raise PayloadTooLarge(f"{entries} entries; a batch holds at most {MAX_BATCH_ENTRIES}")
+        return batch
 
 
 class InstanceState(StrEnum):

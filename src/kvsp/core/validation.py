@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from kvsp.core.problems import InvalidInput
+from kvsp.core.problems import InvalidInput, KvspError
 
 __all__ = ["MAX_LISTED_ERRORS", "decimal", "format_validation_error", "parse_model"]
 
@@ -48,12 +48,22 @@ def format_validation_error(exc: ValidationError) -> str:
 
 
 def parse_model(
-    model: type[M], data: str | bytes | Mapping[str, Any], error: type[InvalidInput], label: str
+    model: type[M],
+    data: str | bytes | Mapping[str, Any],
+    error: type[InvalidInput],
+    label: str,
+    too_long: type[KvspError] | None = None,
 ) -> M:
-    """Validate JSON text, octets or a decoded object as ``model``; failures raise ``error``."""
+    """Validate JSON text, octets or a decoded object as ``model``; failures raise ``error``,
+    or ``too_long`` where a top-level member holds more items than the model allows."""
     try:
         if isinstance(data, str | bytes):
             return model.model_validate_json(data)
         return model.model_validate(data)
     except ValidationError as exc:
-        raise error(f"invalid {label}: {format_validation_error(exc)}") from None
+        failed: type[KvspError] = error
+        if too_long is not None and any(
+            e["type"] == "too_long" and len(e["loc"]) == 1 for e in exc.errors()
+        ):
+            failed = too_long
+        raise failed(f"invalid {label}: {format_validation_error(exc)}") from None

@@ -19,8 +19,9 @@ from starlette.types import Receive, Scope, Send
 from kvsp.auth import Principals
 from kvsp.core.compat import CompatibilityDescriptor
 from kvsp.core.ids import parse_block_key, parse_compat_id, parse_scope_id
-from kvsp.core.problems import NotFound, PayloadTooLarge, RecordError
+from kvsp.core.problems import NotFound, RecordError
 from kvsp.core.records import (
+    MAX_BATCH_ENTRIES,
     InstanceStatusRecord,
     LookupRequest,
     LookupResponse,
@@ -44,7 +45,6 @@ from kvsp.web.server import (
     install_problem_handlers,
     json_response,
     lifespan_of,
-    parse_json_object,
     read_body,
     read_json_body,
     send_json,
@@ -55,8 +55,6 @@ __all__ = ["DEFAULT_MAX_BODY_OCTETS", "MAX_BATCH_ENTRIES", "create_app"]
 log = logging.getLogger("kvsp.index")
 
 DEFAULT_MAX_BODY_OCTETS = 16 << 20
-#: Entries (puts plus deletes) in one ``POST replicas``; more is 413.
-MAX_BATCH_ENTRIES = 4096
 BASE = "/kvsp/"
 
 
@@ -117,11 +115,8 @@ def create_app(
 
     async def batch(request: Request) -> Response:
         principal = principal_of(request.scope)
-        doc = parse_json_object(await read_json_body(request, max_body_octets))
-        entries = sum(len(v) for k in ("put", "delete") if isinstance(v := doc.get(k), list))
-        if entries > MAX_BATCH_ENTRIES:
-            raise PayloadTooLarge(f"{entries} entries; a batch holds at most {MAX_BATCH_ENTRIES}")
-        return json_response(await service.batch(principal, ReplicaBatch.parse(doc)))
+        parsed = ReplicaBatch.parse(await read_json_body(request, max_body_octets))
+        return json_response(await service.batch(principal, parsed))
 
     async def lookup(scope: Scope, receive: Receive, send: Send) -> None:
         """The hottest route, as a bare ASGI endpoint: no request or response objects."""
