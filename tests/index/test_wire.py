@@ -13,6 +13,7 @@ from kvsp.core.records import ReplicaRecord
 from kvsp.index.wire import (
     PackedKeys,
     answer_json,
+    batch_json,
     identity_prefix,
     join_array,
     record_tail,
@@ -76,3 +77,17 @@ def test_a_block_array_splits_back_into_its_tails(
     assert answer["replicas"] == [json.loads(array)] * 2
     assert [e["fetch_us"] for e in answer["estimates"]] == list(range(estimates))
     assert json.loads(answer_json([])) == {"matched": 0, "replicas": [], "estimates": []}
+
+
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(1, 2**32 - 1)), max_size=20),
+    st.lists(st.booleans(), max_size=20),
+)
+def test_a_batch_answer_reads_back_as_each_entrys_outcome(
+    published: list[tuple[bool, int]], withdrawn: list[bool]
+) -> None:
+    doc = json.loads(batch_json(published, withdrawn))
+    assert doc == {
+        "put": [{"created": created, "ttl_ms": ttl} for created, ttl in published],
+        "delete": [{"withdrawn": w} for w in withdrawn],
+    }

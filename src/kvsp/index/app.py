@@ -38,6 +38,7 @@ from kvsp.index.rules import (
     check_path,
 )
 from kvsp.index.service import IndexService
+from kvsp.index.wire import published_json
 from kvsp.web.openapi import ANYONE, Op, obj, principal_of, routes_of
 from kvsp.web.probes import metrics_op, probe_ops
 from kvsp.web.server import (
@@ -91,10 +92,7 @@ def create_app(
         record = ReplicaRecord.parse(await read_json_body(request, max_body_octets))
         check_path(record, compat, scope, block_key)
         (outcome,) = await service.publish(principal, [record])
-        body = b'{"created":%s,"ttl_ms":%d}' % (
-            b"true" if outcome.created else b"false",
-            outcome.ttl_ms,
-        )
+        body = published_json(outcome.created, outcome.ttl_ms)
         return json_response(body, 201 if outcome.created else 200)
 
     async def withdraw(request: Request) -> Response:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -40,7 +39,7 @@ from kvsp.index.rules import (
 )
 from kvsp.index.statuses import estimate_targets
 from kvsp.index.stores import ReplicaStore
-from kvsp.index.wire import answer_json, holders_json
+from kvsp.index.wire import answer_json, batch_json, holders_json
 
 __all__ = ["IndexMetrics", "IndexService"]
 
@@ -191,12 +190,7 @@ class IndexService:
             authorize_withdraw(principal, ref)
         outcomes = await self._publish(batch.put) if batch.put else []
         removed = await self._withdraw(batch.delete) if batch.delete else []
-        return json.dumps(
-            {
-                "put": [{"created": o.created, "ttl_ms": o.ttl_ms} for o in outcomes],
-                "delete": [{"withdrawn": w} for w in removed],
-            }
-        ).encode()
+        return batch_json([(o.created, o.ttl_ms) for o in outcomes], removed)
 
     async def lookup(self, principal: Principal, query: LookupQuery) -> bytes:
         """The answer's JSON: without estimates or the compact form to make, straight from the

@@ -24,10 +24,12 @@ __all__ = [
     "PackedKeys",
     "Space",
     "answer_json",
+    "batch_json",
     "holders_json",
     "identity_prefix",
     "join_array",
     "probed",
+    "published_json",
     "record_tail",
     "split_array",
 ]
@@ -85,6 +87,18 @@ def answer_json(arrays: Sequence[bytes], estimates: bytes = b"") -> bytes:
         ANSWER_END,
         estimates,
     )
+
+
+def published_json(created: bool, ttl_ms: int) -> bytes:
+    """The answer to one record's publish: ``PUT``'s body, an entry of ``POST replicas``'."""
+    return b'{"created":%s,"ttl_ms":%d}' % (b"true" if created else b"false", ttl_ms)
+
+
+def batch_json(published: Sequence[tuple[bool, int]], withdrawn: Sequence[bool]) -> bytes:
+    """``POST replicas``' answer: each put's (created, granted TTL), each delete's outcome."""
+    puts = b",".join(published_json(created, ttl) for created, ttl in published)
+    deletes = b",".join(b'{"withdrawn":true}' if w else b'{"withdrawn":false}' for w in withdrawn)
+    return b'{"put":[%s],"delete":[%s]}' % (puts, deletes)
 
 
 def holders_json(runs: Sequence[tuple[str, int]], estimates: bytes = b"") -> bytes:
