@@ -117,6 +117,9 @@ class PodStream:
         self.topic: bytes | None = None
         self.batches = 0
         self.resets = 0
+        #: writes go one at a time, in the order their changes were taken
+        self._writing = asyncio.Lock()
+        self._behind: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
         sub = self.context.socket(zmq.SUB)
@@ -132,10 +135,19 @@ class PodStream:
                 await self._take(frames)
                 pending = len(self.pending.put) + len(self.pending.delete)
                 if pending >= FLUSH_CHANGES or not await sub.poll(FLUSH_IDLE_MS):
-                    await self.flush()
+                    await self._write_behind()
         finally:
             refresh.cancel()
+            if self._behind is not None:
+                self._behind.cancel()
             sub.close(linger=0)
+
+    async def _write_behind(self) -> None:
+        """Write what is pending while the next batches are read (the IS stores one write
+        while the stream derives the next one's keys), with one write queued at most."""
+        if self._behind is not None:
+            await self._behind
+        self._behind = asyncio.create_task(self.flush())
 
     async def _take(self, frames: Sequence[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -225,7 +237,12 @@ class PodStream:
             dealer.close(linger=0)
 
     async def flush(self) -> None:
-        """Write the pending changes; kept for the next flush when the IS fails."""
+        """Write the pending changes; kept for the next flush when the IS fails. Flushes run
+        one at a time, so a later change never reaches the IS before an earlier one."""
+        async with self._writing:
+            await self._write_pending()
+
+    async def _write_pending(self) -> None:
         changes, self.pending = self.pending, PodChanges()
         puts = [self.state.record_json(block, tiers) for block, tiers in changes.put.items()]
         source = self.pod.source
