@@ -8,7 +8,9 @@ Prints one JSON line.
   subscribed to a publisher of its own on an IPC socket); blocks per second from the first
   batch sent to the last chain answering in full. kvsp derives its Block Keys from the tokens
   and publishes replica records to a ``kvsp index serve`` process over HTTP. ``bound``: the
-  Block Keys of the same chains derived in process and nothing else, blocks per second;
+  Block Keys of the same chains derived in process and nothing else, blocks per second, and
+  ``is_parse_and_store``: the IS's parse and store of the same records in process, without
+  HTTP or the ingest's own work (what each record costs the IS);
 - ``lookup``: ``wrk`` (1 thread, 32 connections) sends 64-block prompts, all of one stored chain
   (``full`` hit) or its first 32 blocks and 32 blocks nobody holds (``half``): to kvsp's
   ``POST lookup``, once for every matched block's replica records (``full_records``) and once
@@ -44,16 +46,22 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
+import msgspec
 import zmq.asyncio
 from tests.servers import DynamoIndexer, Service
 
 from benchmarks._peers import PEERS, PeerDriver, peer_python, report, versus
 from benchmarks.index_lookup import WRK_SCRIPT, Background, minimal_app
+from kvsp.core.clock import SystemClock
 from kvsp.core.ids import parse_compat_id
 from kvsp.core.keys import block_keys
+from kvsp.core.records import ReplicaBatch
 from kvsp.index.client import IndexClient
-from kvsp.kvevents.ingest import PodEndpoint, PodStream
-from kvsp.kvevents.pods import PodSource
+from kvsp.index.replicas import ReplicaTable
+from kvsp.index.rules import IndexLimits
+from kvsp.kvevents.ingest import BATCH_RECORDS, PodEndpoint, PodStream
+from kvsp.kvevents.pods import PodChanges, PodIndex, PodSource
+from kvsp.kvevents.wire import decode_batch
 from kvsp.model import install
 from kvsp.tenants import Tenants
 from kvsp.web.serving import tune_collector
@@ -176,6 +184,34 @@ class Peers:
             block_keys(scope_key, compat, chain_tokens(first, CHAIN), BLOCK_TOKENS)
         return BLOCKS / (time.perf_counter() - start)
 
+    def pod_source(self) -> PodSource:
+        """The pod kvsp's ingest reads, as ``kvsp index ingest`` would be told of it."""
+        return PodSource(
+            "http://pod.bench/", self.compat, BLOCK_TOKENS, self.files.descriptor.geometry.layers,
+            self.tenant, ttl_ms=600_000,
+        )  # fmt: skip
+
+    def store_rate(self, batches: list[Any]) -> float:
+        """Records/s the IS's ``POST replicas`` parses and stores in this process, for the
+        records ``kvsp index ingest`` writes for every chain (rendered as it renders them, in
+        its writes of ``BATCH_RECORDS``): what the IS spends per record, without HTTP or the
+        ingest's own work."""
+        tune_collector()
+        pod, encoder = PodIndex(self.pod_source()), msgspec.msgpack.Encoder()
+        limits = IndexLimits(max_records=4 * BLOCKS, max_scope_records=4 * BLOCKS)
+        table, elapsed, per_write = ReplicaTable(SystemClock(), limits), 0.0, BATCH_RECORDS // CHAIN
+        for first in range(0, len(batches), per_write):
+            changes = PodChanges()
+            for batch in batches[first : first + per_write]:
+                pod.apply(decode_batch(encoder.encode(batch)), changes)
+            body = b'{"put":[%s],"delete":[]}' % b",".join(
+                pod.record_json(block, tiers) for block, tiers in changes.put.items()
+            )
+            start = time.perf_counter()
+            table.publish_many(ReplicaBatch.parse(body).put)
+            elapsed += time.perf_counter() - start
+        return BLOCKS / elapsed
+
     def dynamo_matched(self, query: dict[str, Any]) -> int:
         """Blocks of the query Dynamo's indexer says worker 1 holds."""
         scores = self.dynamo.call("POST", "query_by_hash", query)["scores"]
@@ -269,7 +305,7 @@ def main() -> None:
             peers = Peers(index, dynamo, hashes, Path(tmp))
             theirs = peers.dynamo_ingest(batches)
             ours = asyncio.run(ingest_kvsp(peers, batches))
-            keyed = peers.keys_rate()
+            keyed, stored = peers.keys_rate(), peers.store_rate(batches)
             results["ingest"] = {
                 "kvsp_blocks_per_s": round(ours),
                 "dynamo_blocks_per_s": round(theirs),
@@ -277,6 +313,8 @@ def main() -> None:
                 "target": 1.0,
                 "bound": {"keys_only_blocks_per_s": round(keyed),
                           "ratio": round(keyed / theirs, 3)},
+                "is_parse_and_store": {"records_per_s": round(stored),
+                                       "ratio": round(stored / theirs, 3)},
             }  # fmt: skip
             for hit in ("full", "half"):
                 results[f"lookup_{hit}_hit"] = peers.lookups(hit)
@@ -304,10 +342,7 @@ async def ingest_kvsp(peers: Peers, batches: list[Any]) -> float:
     publisher of its own."""
     tune_collector()
     base, folder = peers.index.base_url, peers.folder
-    source = PodSource(
-        "http://pod.bench/", peers.compat, BLOCK_TOKENS, peers.files.descriptor.geometry.layers,
-        peers.tenant, ttl_ms=600_000,
-    )  # fmt: skip
+    source = peers.pod_source()
     pod = PodEndpoint("bench", source, f"ipc://{folder}/kvsp", f"ipc://{folder}/kvsp-replay")
     client = IndexClient(base, "ingest")
     stream = PodStream(pod, client, zmq.asyncio.Context.instance())
