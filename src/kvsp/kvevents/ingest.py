@@ -3,7 +3,8 @@
 One task per pod reads its ZMQ PUB socket (``PodStream``); ``kvevents/pods.py`` turns each
 batch into record changes, which are written to the IS in batches once the socket has been idle
 for 5 ms (or 2,000 changes are pending), and written again before their TTL runs out (a
-third of it), so a pod whose stream stops is forgotten within one TTL.
+third of it), so a pod whose stream stops is forgotten within one TTL. A write goes while the
+stream reads on, one write at a time, in order.
 
 On start, a stream reads what the pod's replay buffer holds before any message: an ingest that
 starts, or restarts, beside an idle pod knows its blocks without waiting for its next batch.
