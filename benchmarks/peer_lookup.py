@@ -46,6 +46,7 @@ from kvsp.core.clock import SystemClock
 from kvsp.core.records import LookupRequest
 from kvsp.index.service import IndexService
 from kvsp.index.stores import MemoryReplicaStore
+from kvsp.web.serving import tune_collector
 
 BLOCKS = 1_000_000
 CHAIN = 64
@@ -120,6 +121,7 @@ async def hit_rounds(
 
 
 def main() -> None:
+    tune_collector()  # as every kvsp service runs
     with_digests = MemoryReplicaStore(SystemClock(), LIMITS)
     per_record_digests = load_memory(with_digests, 100_000, template(layer_digests=True))
     del with_digests
