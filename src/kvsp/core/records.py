@@ -315,11 +315,12 @@ def replica_holder(holder: str, moqt_namespace: str | None) -> str:
     return MOQT_PUBLISHER + moqt_namespace
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1024)
 def _check_holder(holder: str, moqt_namespace: str | None) -> None:
     """Raises ValueError for a holder no replica can name. Cached: the records of a batch
     name a few holders, and parsing each one's URL again took a fifth of a record's parse
-    (a refusal raises, and is not cached)."""
+    (a refusal raises, and is not cached; at most 1,024 pairs of members of at most 2,048
+    characters each are kept, a few MB)."""
     scheme = urlsplit(holder).scheme
     if scheme == "moqt":
         if moqt_namespace is None:
