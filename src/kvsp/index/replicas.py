@@ -242,8 +242,10 @@ class ReplicaTable:
         blocks = self._spaces.get(space)
         if blocks is None:
             blocks = self._spaces[space] = KeyTable()
+        # the layer count follows from the residency unless the layer digests name it
+        layers = None if record.layer_digests is None else len(record.layer_digests)
         residency = tuple((r.tier, r.layers, r.read_mbit_per_s) for r in record.residency)
-        summary_key = (record.holder, record.size, record.layer_count, residency)
+        summary_key = (record.holder, record.size, layers, residency)
         summary = self._summary_of.get(summary_key)
         if summary is None:  # equal records share one summary, built once
             built = ReplicaSummary.of(record)

@@ -173,8 +173,12 @@ class IndexService:
                     f"Index Service takes at most {self.max_layers}"
                 )
         outcomes = await self.store.publish(records)
-        for outcome in outcomes:
-            self.metrics.publishes.labels("created" if outcome.created else "refreshed").inc()
+        created = sum(
+            outcome.created for outcome in outcomes
+        )  # one count per batch, not per record
+        for kind, count in (("created", created), ("refreshed", len(outcomes) - created)):
+            if count:
+                self.metrics.publishes.labels(kind).inc(count)
         return outcomes
 
     async def _withdraw(self, refs: Sequence[ReplicaRef]) -> list[bool]:
