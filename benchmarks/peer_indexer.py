@@ -56,7 +56,7 @@ from kvsp.core.clock import SystemClock
 from kvsp.core.ids import parse_compat_id
 from kvsp.core.keys import block_keys
 from kvsp.core.records import ReplicaBatch
-from kvsp.index.client import IndexClient
+from kvsp.index.client import IndexClient, batch_body
 from kvsp.index.replicas import ReplicaTable
 from kvsp.index.rules import IndexLimits
 from kvsp.kvevents.ingest import BATCH_RECORDS, PodEndpoint, PodStream
@@ -204,9 +204,7 @@ class Peers:
             changes = PodChanges()
             for batch in batches[first : first + per_write]:
                 pod.apply(decode_batch(encoder.encode(batch)), changes)
-            body = b'{"put":[%s],"delete":[]}' % b",".join(
-                pod.record_json(block, tiers) for block, tiers in changes.put.items()
-            )
+            body = batch_body([pod.record_json(b, tiers) for b, tiers in changes.put.items()])
             start = time.perf_counter()
             table.publish_many(ReplicaBatch.parse(body).put)
             elapsed += time.perf_counter() - start

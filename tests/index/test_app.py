@@ -13,8 +13,8 @@ from kvsp.auth import Principals
 from kvsp.core.clock import ManualClock
 from kvsp.core.compat import CompatibilityDescriptor
 from kvsp.core.problems import Forbidden, NotFound, RecordError, Unauthenticated
-from kvsp.core.records import LookupRequest, ReplicaRef
-from kvsp.index.app import MAX_BATCH_ENTRIES, create_app
+from kvsp.core.records import MAX_BATCH_ENTRIES, LookupRequest, ReplicaRef
+from kvsp.index.app import create_app
 from kvsp.index.client import IndexClient
 from kvsp.index.rules import IndexLimits
 from kvsp.index.service import IndexService

@@ -21,7 +21,6 @@ from kvsp.core.compat import CompatibilityDescriptor
 from kvsp.core.ids import parse_block_key, parse_compat_id, parse_scope_id
 from kvsp.core.problems import NotFound, RecordError
 from kvsp.core.records import (
-    MAX_BATCH_ENTRIES,
     InstanceStatusRecord,
     LookupRequest,
     LookupResponse,
@@ -51,7 +50,7 @@ from kvsp.web.server import (
     send_json,
 )
 
-__all__ = ["DEFAULT_MAX_BODY_OCTETS", "MAX_BATCH_ENTRIES", "create_app"]
+__all__ = ["DEFAULT_MAX_BODY_OCTETS", "create_app"]
 
 log = logging.getLogger("kvsp.index")
 

@@ -16,7 +16,13 @@ from kvsp.core.records import (
 from kvsp.index.replicas import PublishOutcome
 from kvsp.web.client import JsonClient
 
-__all__ = ["IndexClient"]
+__all__ = ["IndexClient", "batch_body"]
+
+
+def batch_body(rendered: Sequence[bytes], delete: Sequence[ReplicaRef] = ()) -> bytes:
+    """A ``POST replicas`` body: the records ``rendered`` as JSON already, and ``delete``."""
+    deletes = json.dumps([ref.to_json() for ref in delete]).encode()
+    return b'{"put":[%s],"delete":%s}' % (b",".join(rendered), deletes)
 
 
 class IndexClient(JsonClient):
@@ -46,13 +52,7 @@ class IndexClient(JsonClient):
         """Publish ``put`` and records ``rendered`` as JSON already (by ``kvsp index ingest``;
         the IS validates both alike), withdraw ``delete``; outcomes in that order."""
         records = [r.model_dump_json(exclude_none=True).encode() for r in put]
-        body = (
-            b'{"put":['
-            + b",".join([*records, *rendered])
-            + b'],"delete":'
-            + json.dumps([ref.to_json() for ref in delete]).encode()
-            + b"}"
-        )
+        body = batch_body([*records, *rendered], delete)
         doc = (await self._send("POST", "replicas", body)).json()
         return (
             [PublishOutcome(bool(p["created"]), int(p["ttl_ms"])) for p in doc["put"]],

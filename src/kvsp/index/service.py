@@ -173,9 +173,8 @@ class IndexService:
                     f"Index Service takes at most {self.max_layers}"
                 )
         outcomes = await self.store.publish(records)
-        created = sum(
-            outcome.created for outcome in outcomes
-        )  # one count per batch, not per record
+        # counted once per batch: a labelled counter per record cost 3 % of an ingest
+        created = sum(outcome.created for outcome in outcomes)
         for kind, count in (("created", created), ("refreshed", len(outcomes) - created)):
             if count:
                 self.metrics.publishes.labels(kind).inc(count)
