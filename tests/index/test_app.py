@@ -14,8 +14,8 @@ from kvsp.core.clock import ManualClock
 from kvsp.core.compat import CompatibilityDescriptor
 from kvsp.core.problems import Forbidden, NotFound, RecordError, Unauthenticated
 from kvsp.core.records import MAX_BATCH_ENTRIES, LookupRequest, ReplicaRef
-from kvsp.index.app import create_app
-from kvsp.index.client import IndexClient
+from kvsp.index.app import DEFAULT_MAX_BODY_OCTETS, create_app
+from kvsp.index.client import IndexClient, batch_body
 from kvsp.index.rules import IndexLimits
 from kvsp.index.service import IndexService
 from kvsp.index.stores import MemoryReplicaStore
@@ -238,6 +238,31 @@ async def test_bad_input_is_a_problem_and_stores_nothing(
             response = await http.request(method, url, content=content, headers=hdrs)
         _problem(response, status_code, slug)
     assert await service.store.counts_by_scope() == {}
+
+
+async def test_the_default_body_limit_holds_a_full_batch_and_no_more(clock: ManualClock) -> None:
+    """A batch of ``MAX_BATCH_ENTRIES`` ordinary records fits the default limit; one octet
+    more than the limit is refused before it is parsed, and stores nothing."""
+    limits = IndexLimits(max_ttl_ms=60_000, max_records=2 * MAX_BATCH_ENTRIES)
+    service = IndexService(MemoryReplicaStore(clock, limits))
+    app = create_app(service, Principals.parse(PRINCIPALS))
+    records = [
+        replica(n).model_dump_json(exclude_none=True).encode() for n in range(MAX_BATCH_ENTRIES)
+    ]
+    full = batch_body(records)
+    assert len(full) < DEFAULT_MAX_BODY_OCTETS
+    headers = {"Authorization": "Bearer h1", "Content-Type": "application/json"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=BASE) as http:
+        over = full + b" " * (DEFAULT_MAX_BODY_OCTETS + 1 - len(full))
+        _problem(
+            await http.post("replicas", content=over, headers=headers),
+            413,
+            "kvsp-payload-too-large",
+        )
+        assert await service.store.counts_by_scope() == {}
+        response = await http.post("replicas", content=full, headers=headers)
+        assert response.status_code == 200, response.text
+    assert await service.store.counts_by_scope() == {SCOPE_A: MAX_BATCH_ENTRIES}
 
 
 async def test_health_and_metrics(http: httpx.AsyncClient, clock: ManualClock) -> None:

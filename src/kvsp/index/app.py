@@ -54,7 +54,9 @@ __all__ = ["DEFAULT_MAX_BODY_OCTETS", "create_app"]
 
 log = logging.getLogger("kvsp.index")
 
-DEFAULT_MAX_BODY_OCTETS = 16 << 20
+#: A body is parsed in one go on the event loop, about 13 ns an octet: 4 MiB holds a full batch
+#: of ordinary records (4,096 of about 470 octets) and keeps the longest parse near 50 ms.
+DEFAULT_MAX_BODY_OCTETS = 4 << 20
 BASE = "/kvsp/"
 
 
