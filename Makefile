@@ -119,7 +119,7 @@ define run-benchmarks
 endef
 
 bench: bench-deps
-	$(call run-benchmarks,block_keys container index_lookup holder_transfer placement \
+	$(call run-benchmarks,block_keys container index_lookup index_collector holder_transfer placement \
 		engine_reuse session_index agentic_hints vllm_connector compiled_pieces controller_ha \
 		kv_events,Latest run)
 

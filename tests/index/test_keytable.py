@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsp.index import keytable
-from kvsp.index.keytable import COMPILED, DictKeyTable, KeyTable, check_keys, is_hex
+from kvsp.index.keytable import COMPILED, DictKeyTable, KeyTable, check_keys, is_hex, untrack
 from tests.conftest import ROOT
 
 #: each implementation: its table, and its key checks (the compiled one where it was built)
@@ -227,6 +227,19 @@ def test_packed_keys_come_in_whole_keys(impl: str) -> None:
     with pytest.raises(ValueError, match="32 octets"):
         table.prefix(b"\0" * 31)
     assert table.prefix(b"") == []
+
+
+def test_untrack_takes_objects_out_of_the_collector_and_they_are_still_freed() -> None:
+    value, container = Value(1), [1, "two"]
+    values = weakref.WeakSet([value])
+    untrack(value, container, 3, "four")  # objects the collector never tracked are let be
+    assert gc.is_tracked(value) is not COMPILED
+    assert gc.is_tracked(container) is not COMPILED
+    del value
+    assert len(values) == 0  # freed at its last reference, untracked or not
+    fresh = [1, "two"]
+    keytable._untrack(fresh)  # the fallback's: pure Python cannot
+    assert gc.is_tracked(fresh)
 
 
 def test_without_the_compiled_modules_kvsp_still_indexes_and_verifies() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import tracemalloc
 
 import pytest
 from hypothesis import given
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 from kvsp.core.clock import ManualClock
 from kvsp.core.problems import CapacityExhausted
 from kvsp.core.records import ReplicaRecord
+from kvsp.index.keytable import COMPILED
 from kvsp.index.replicas import ReplicaTable, holder_runs
 from kvsp.index.rules import (
     IndexLimits,
@@ -175,3 +178,38 @@ def test_refresh_storm_keeps_the_deadline_heap_bounded(table: ReplicaTable) -> N
     for _ in range(5_000):
         table.publish(replica(0))
     assert len(table._deadlines) <= 2 * table.count + 1024
+
+
+def test_stored_records_are_out_of_the_collector_and_still_freed(clock: ManualClock) -> None:
+    """No full collection walks the records (decision 0025), and a record let go is freed
+    though the collector never sees it: publish, refresh and withdraw in rounds hold no more
+    memory than one round."""
+    table = ReplicaTable(clock, IndexLimits(max_ttl_ms=10_000, max_records=10_000))
+
+    def one_round() -> None:
+        table.publish_many([replica(n, holder=h) for n in range(500) for h in (H1, H2)])
+        table.publish_many([replica(n) for n in range(500)])  # refreshes
+        found = table.lookup(COMPAT, SCOPE_A, keys(*range(500)))
+        assert len(found) == 500
+        objects = [table._spaces[(COMPAT, SCOPE_A)], table._deadlines, found[0]]
+        objects += [found[0].replicas, *found[0].replicas]
+        assert [gc.is_tracked(o) for o in objects] == [not COMPILED] * len(objects)
+        gc.collect()
+        assert table.answer(COMPAT, SCOPE_A, keys(0, 1))[0] == 2
+        for n in range(500):
+            table.withdraw(ref(n))
+            table.withdraw(ref(n, holder=H2))
+        assert table.count == 0
+
+    one_round()
+    tracemalloc.start()
+    try:
+        one_round()
+        first, _ = tracemalloc.get_traced_memory()
+        for _ in range(5):
+            one_round()
+        gc.collect()
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert after - first < 100_000, (first, after)

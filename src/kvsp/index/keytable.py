@@ -9,7 +9,9 @@ The contract (tests/index/test_keytable.py holds both to it): keys are 64 lowerc
 payload is bytes or None; ``prefix`` and ``join_prefix`` stop at the first key not held;
 ``pack_keys`` turns a request's raw JSON array of keys into packed keys, or answers None for
 anything it does not take as it is (the caller then decodes it the slow way, which says what is
-wrong): the fallback always answers None.
+wrong): the fallback always answers None. ``untrack`` takes objects that are never part of a
+reference cycle out of the cyclic collector, so its full collections do not walk millions of
+stored records (decision 0025); the fallback leaves them tracked.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import re
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
-__all__ = ["COMPILED", "DictKeyTable", "KeyTable", "check_keys", "is_hex", "pack_keys"]
+__all__ = ["COMPILED", "DictKeyTable", "KeyTable", "check_keys", "is_hex", "pack_keys", "untrack"]
 
 V = TypeVar("V")
 _KEY = re.compile(r"[0-9a-f]{64}")
@@ -110,8 +112,12 @@ def _pack_keys(json: bytes | memoryview | object, /) -> bytes | None:
     return None
 
 
+def _untrack(*objects: object) -> None:
+    """Pure Python cannot take an object out of the collector: the objects stay tracked."""
+
+
 try:
-    from kvsp.index._keytable import KeyTable, check_keys, is_hex, pack_keys
+    from kvsp.index._keytable import KeyTable, check_keys, is_hex, pack_keys, untrack
 
     COMPILED = True
 except ImportError:  # built without a C compiler
@@ -119,4 +125,5 @@ except ImportError:  # built without a C compiler
     check_keys = _check_keys
     is_hex = _is_hex
     pack_keys = _pack_keys
+    untrack = _untrack
     COMPILED = False

@@ -25,7 +25,7 @@ from kvsp.core.clock import Clock
 from kvsp.core.cost import ReplicaSummary
 from kvsp.core.problems import CapacityExhausted
 from kvsp.core.records import ReplicaRecord, ReplicaRef
-from kvsp.index.keytable import KeyTable
+from kvsp.index.keytable import KeyTable, untrack
 from kvsp.index.rules import IndexLimits
 from kvsp.index.wire import (
     ANSWER_END,
@@ -184,7 +184,13 @@ class ReplicaTable:
 
     ``render_at_publish``: a record's JSON is rendered when it is published (a served index
     answers lookups with it, and bytes are smaller than records); an index embedded in a
-    process that only reads cost summaries (the simulator) renders it only if ever asked."""
+    process that only reads cost summaries (the simulator) renders it only if ever asked.
+
+    The cyclic collector never walks the records (``untrack``, decision 0025): each space's
+    key table, the deadline heap, every block, its tuple and its replicas are taken out of it.
+    None of them can be part of a cycle: they reference only strings, numbers, octets, shared
+    summaries and (unrendered) records, none of which lead back to them. Kept, a full
+    collection walked three objects per record: 0.64 s at 300,000 records."""
 
     def __init__(self, clock: Clock, limits: IndexLimits, render_at_publish: bool = True) -> None:
         self._clock = clock
@@ -193,6 +199,7 @@ class ReplicaTable:
         # (compat, scope) -> block_key -> replicas: a lookup resolves its space once.
         self._spaces: dict[Space, KeyTable[BlockReplicas]] = {}
         self._deadlines: list[StoredReplica] = []
+        untrack(self._deadlines)
         self._summaries: dict[ReplicaSummary, ReplicaSummary] = {}
         self._summary_of: dict[tuple[object, ...], ReplicaSummary] = {}
         self._space_names: dict[Space, Space] = {}
@@ -242,6 +249,7 @@ class ReplicaTable:
         blocks = self._spaces.get(space)
         if blocks is None:
             blocks = self._spaces[space] = KeyTable()
+            untrack(blocks)
         # the layer count follows from the residency unless the layer digests name it
         layers = None if record.layer_digests is None else len(record.layer_digests)
         residency = tuple((r.tier, r.layers, r.read_mbit_per_s) for r in record.residency)
@@ -275,6 +283,7 @@ class ReplicaTable:
 
     def _set(self, blocks: KeyTable[BlockReplicas], block: BlockReplicas) -> None:
         """(Re)enter a changed block with its JSON array, which lookups join."""
+        untrack(block, block.replicas, *block.replicas)
         if self._render:
             block.release_tails()
             blocks.put(block.replicas[0].block_key, block, block.rendered())
@@ -325,6 +334,7 @@ class ReplicaTable:
             for block in blocks.values()
             for replica in block.replicas
         ]
+        untrack(self._deadlines)
         heapq.heapify(self._deadlines)
 
     def lookup(self, compat: str, scope: str, block_keys: Sequence[str]) -> list[BlockReplicas]:
