@@ -125,12 +125,14 @@ class Engine:
         return Container.build(0, hi - lo, sections, geometry=self.geometry)
 
     def state_from_blocks(self, blocks: Sequence[Container], tokens: Sequence[int]) -> KvState:
-        """A state covering ``tokens`` from the containers of its consecutive blocks."""
+        """A state covering ``tokens`` from the containers of its consecutive blocks.
+
+        The blocks' sections are joined in one copy, and each layer's cache holds transposed
+        views of it: the next forward appends to every layer with a concatenation, which makes
+        the cache contiguous anyway. Section by section, with a transposing copy per layer,
+        128 SmolLM2 blocks took 74 ms."""
         if len(tokens) != len(blocks) * self.block_tokens:
             raise ValueError("tokens must be exactly the tokens of the blocks")
-        per_layer: list[tuple[list[npt.NDArray[np.generic]], list[npt.NDArray[np.generic]]]] = [
-            ([], []) for _ in range(self.geometry.layers)
-        ]
         g = self.geometry
         for block in blocks:
             header = block.header
@@ -138,15 +140,36 @@ class Engine:
                 raise ContainerError("an imported block must hold every layer")
             if header.token_count != self.block_tokens:
                 raise ContainerError(f"an imported block must hold {self.block_tokens} tokens")
-            for layer in block.layers:
-                keys, values = per_layer[layer.layer]
-                keys.append(section_array(layer.k, g.element, g.kv_heads, g.head_dim))
-                values.append(section_array(layer.v, g.element, g.kv_heads, g.head_dim))
         state = KvState(tokens=list(tokens))
-        for index, (keys, values) in enumerate(per_layer):
-            if not keys:
-                break
-            k = torch.from_numpy(np.concatenate(keys)).permute(1, 0, 2).unsqueeze(0)
-            v = torch.from_numpy(np.concatenate(values)).permute(1, 0, 2).unsqueeze(0)
-            state.cache.update(k.contiguous(), v.contiguous(), index)
+        if not blocks:
+            return state
+        # [layers, K and V, tokens, kv_heads, head_dim]
+        joined = np.concatenate([self._sections_of(block) for block in blocks], axis=2)
+        for index in range(g.layers):
+            k = torch.from_numpy(joined[index, 0]).permute(1, 0, 2).unsqueeze(0)
+            v = torch.from_numpy(joined[index, 1]).permute(1, 0, 2).unsqueeze(0)
+            state.cache.update(k, v, index)
         return state
+
+    def _sections_of(self, block: Container) -> npt.NDArray[np.generic]:
+        """A block's sections as one [layers, 2, tokens, kv_heads, head_dim] array: a view of a
+        received container's one data region (every section the same length, K before V,
+        layer by layer), else a copy of its sections."""
+        g = self.geometry
+        dtype = np.dtype(g.element.storage_dtype)
+        shape = (g.layers, 2, self.block_tokens, g.kv_heads, g.head_dim)
+        section = self.block_tokens * g.kv_heads * g.head_dim * dtype.itemsize
+        parts = block.parts
+        if len(parts) == 2 and set(block.header.lengths) == {(section, section)}:
+            return np.frombuffer(parts[1], dtype).reshape(shape)
+        return np.stack(
+            [
+                np.stack(
+                    [
+                        section_array(layer.k, g.element, g.kv_heads, g.head_dim),
+                        section_array(layer.v, g.element, g.kv_heads, g.head_dim),
+                    ]
+                )
+                for layer in block.layers
+            ]
+        )
