@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import heapq
 
 import pytest
 from hypothesis import given, settings
@@ -196,6 +197,68 @@ def test_lease_passes_over_to_next_victim() -> None:
     leases.grant("c", [(block_id(1), 1)], 5_000)
     put(store, 3)
     assert where(store, 1, 2, 3) == ["host", None, "host"]
+
+
+def test_evictions_pop_past_leased_blocks_once_until_a_lease_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """200 leased blocks at the end of the eviction order: 100 evictions pop past them once,
+    not once each; when a lease ends its block is the next to go again, in LRU order."""
+    store, leases, _ = make(host_blocks=300, disk_blocks=0)
+    for n in range(300):
+        put(store, n)
+    granted = [leases.grant("c", [(block_id(n), 1)], 5_000).lease for n in range(200)]
+    pops = 0
+    counted = heapq.heappop
+
+    def counting(heap: list[tuple[int, int, BlockId]]) -> tuple[int, int, BlockId]:
+        nonlocal pops
+        pops += 1
+        return counted(heap)
+
+    monkeypatch.setattr("kvsp.holder.store.heapq.heappop", counting)
+    for n in range(300, 400):
+        put(store, n)
+    assert pops < 200 + 3 * 100  # was about 200 for each eviction
+    assert where(store, 0, 199, 200, 299, 300, 399) == ["host", "host", None, None, "host", "host"]
+    leases.release("c", granted[0])
+    put(store, 400)
+    assert where(store, 0, 1, 300, 400) == [None, "host", "host", "host"]
+
+
+class LaggingView:
+    """Holds a set of blocks, and never says that any stopped being held."""
+
+    def __init__(self) -> None:
+        self.held: set[BlockId] = set()
+
+    def leased(self, block: BlockId) -> bool:
+        return block in self.held
+
+    def leased_blocks(self) -> set[BlockId]:
+        return set(self.held)
+
+    def leased_count(self) -> int:
+        return len(self.held)
+
+    def ended(self) -> int:
+        return 0
+
+
+def test_a_block_set_aside_is_still_found_when_a_view_lags() -> None:
+    """A view whose count of ends lags must not make a full tier refuse what it can take."""
+    view = LaggingView()
+    store = BlockStore(
+        [TierSpec("host", 2 * BLOCK)], {"host": MemoryTier()}, view, ManualClock(), HOLDER
+    )
+    put(store, 1)
+    put(store, 2)
+    view.held = {block_id(1), block_id(2)}
+    with pytest.raises(CapacityExhausted):
+        put(store, 3)  # both set aside
+    view.held = {block_id(2)}
+    put(store, 3)
+    assert where(store, 1, 2, 3) == [None, "host", "host"]
 
 
 def test_block_larger_than_host_goes_to_disk_and_too_large_is_refused() -> None:

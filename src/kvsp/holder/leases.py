@@ -59,6 +59,9 @@ class LeaseTable:
         self._pins: Counter[BlockId] = Counter()
         self._octets: Counter[str] = Counter()
         self._count: Counter[str] = Counter()
+        #: leases ended so far (released or expired): a store that set leased blocks aside
+        #: takes them back when this changes
+        self._ended = 0
 
     def _check_ttl(self, scope: str, ttl_ms: int) -> None:
         most = self.quotas.limit(scope, "lease_ttl_ms", self.limits.max_ttl_ms)
@@ -109,6 +112,7 @@ class LeaseTable:
         self._end(lease_id, self._own(client, lease_id))
 
     def _end(self, lease_id: str, lease: _Lease) -> None:
+        self._ended += 1
         del self._leases[lease_id]
         self._deadlines.discard(lease_id)
         self._pins.subtract(lease.blocks)
@@ -132,6 +136,11 @@ class LeaseTable:
     def leased(self, block: BlockId) -> bool:
         self.expire()
         return block in self._pins
+
+    def ended(self) -> int:
+        """How many leases have ended (released or expired) so far, expiries due included."""
+        self.expire()
+        return self._ended
 
     def leased_blocks(self) -> Iterable[BlockId]:
         self.expire()

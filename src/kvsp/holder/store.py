@@ -117,6 +117,11 @@ class LeaseView(Protocol):
         """No fewer than the blocks leased (a cheap upper bound serves)."""
         ...
 
+    def ended(self) -> int:
+        """A count that changes whenever a block may have stopped being held (leases or uses
+        ended): the store takes back the leased blocks it set aside when it does."""
+        ...
+
 
 class Protected:
     """Blocks pressure must not move or drop: those any of the views holds (leased by a
@@ -133,6 +138,9 @@ class Protected:
 
     def leased_count(self) -> int:
         return sum(view.leased_count() for view in self._views)
+
+    def ended(self) -> int:
+        return sum(view.ended() for view in self._views)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +240,12 @@ class BlockStore:
         #: per tier and scope: (priority, tick, block) in eviction order; stale entries are
         #: skipped
         self._order: dict[Tier, dict[str, list[tuple[int, int, BlockId]]]] = {n: {} for n in names}
+        #: per tier and scope: entries of ``_order`` set aside because their block was leased
+        #: (an eviction would otherwise pop past every leased block each time), with the
+        #: count of ended leases when they were; they go back when another lease has ended
+        self._parked: dict[Tier, dict[str, tuple[int, list[tuple[int, int, BlockId]]]]] = {
+            n: {} for n in names
+        }
         #: when raised priorities end, and when records are due to be published again
         self._priority_ends: Deadlines[BlockId] = Deadlines()
         self._refresh: Deadlines[BlockId] = Deadlines()
@@ -489,6 +503,7 @@ class BlockStore:
         order = self._order[tier].setdefault(scope, [])
         heapq.heappush(order, (self._effective_priority(entry), entry.tick, block))
         if len(order) > 64 + 4 * len(self._blocks):
+            self._parked[tier].pop(scope, None)  # the rebuilt order holds every block
             order[:] = [
                 (self._effective_priority(e), e.tick, b)
                 for b, e in self._blocks.items()
@@ -505,6 +520,7 @@ class BlockStore:
         if not self._scope_used[tier][scope]:
             del self._scope_used[tier][scope]
             self._order[tier].pop(scope, None)
+            self._parked[tier].pop(scope, None)
         if not self._scope_total[scope]:
             del self._scope_total[scope]
 
@@ -541,7 +557,16 @@ class BlockStore:
         return None
 
     def _victim_in(self, tier: Tier, scope: str, protect: set[BlockId]) -> BlockId | None:
+        """The first block of ``scope``'s eviction order in ``tier`` that may go. Leased blocks
+        met on the way are set aside until a lease ends, so each eviction pops past them once
+        at most, not every time."""
         order = self._order[tier].get(scope, [])
+        ended = self._leases.ended()
+        seen, parked = self._parked[tier].pop(scope, (ended, []))
+        if seen != ended:  # a lease ended: the blocks it held may go again
+            for item in parked:
+                heapq.heappush(order, item)
+            parked = []
         passed = []
         found = None
         while order:
@@ -554,13 +579,24 @@ class BlockStore:
                 or self._effective_priority(entry) != priority
             ):
                 continue  # stale
+            if self._leases.leased(block):
+                parked.append((priority, tick, block))
+                continue
             passed.append((priority, tick, block))
-            if block in protect or self._leases.leased(block):
+            if block in protect:
                 continue
             found = block
             break
+        if found is None:  # a view's count may lag a lease that ended: look again
+            still = [item for item in parked if self._leases.leased(item[2])]
+            passed += [item for item in parked if not self._leases.leased(item[2])]
+            parked = still
+            free = [item for item in passed if item[2] not in protect]
+            found = min(free)[2] if free else None
         for item in passed:
             heapq.heappush(order, item)
+        if parked:
+            self._parked[tier][scope] = (ended, parked)
         return found
 
     def _make_scope_room(self, scope: str, octets: int, protect: set[BlockId]) -> None:

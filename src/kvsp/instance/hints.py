@@ -93,6 +93,7 @@ class PinTable:
         self._ends: Deadlines[tuple[BlockId, str]] = Deadlines()
         self._octets: Counter[str] = Counter()
         self._scopes: Counter[str] = Counter()
+        self._ended = 0
 
     @property
     def octets(self) -> int:
@@ -117,6 +118,10 @@ class PinTable:
     def leased_count(self) -> int:
         return len(self._pins)  # expired pins not yet let go included: an upper bound
 
+    def ended(self) -> int:
+        self.expire()
+        return self._ended
+
     def expire(self) -> list[BlockId]:
         """Let go of every pin past its deadline; the blocks no longer pinned at all."""
         ended = self._ends.due(self.clock.now_ms())
@@ -135,6 +140,7 @@ class PinTable:
         if pin.owners:
             return False
         del self._pins[block]
+        self._ended += 1
         self._scopes[block[1]] -= pin.octets
         if self._scopes[block[1]] <= 0:
             del self._scopes[block[1]]

@@ -80,6 +80,7 @@ class BlockRefs:
 
     def __init__(self) -> None:
         self._refs: Counter[BlockId] = Counter()
+        self._ended = 0
 
     def acquire(self, blocks: Iterable[BlockId]) -> None:
         self._refs.update(blocks)
@@ -91,6 +92,7 @@ class BlockRefs:
                 raise ValueError("a block released more often than acquired")
             if count == 1:
                 del self._refs[block]
+                self._ended += 1
             else:
                 self._refs[block] = count - 1
 
@@ -105,3 +107,6 @@ class BlockRefs:
 
     def leased_count(self) -> int:
         return len(self._refs)
+
+    def ended(self) -> int:
+        return self._ended
