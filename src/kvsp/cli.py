@@ -358,7 +358,7 @@ def index_serve_command(
     ] = 1_000_000,
     quotas: QuotasFile = None,
     max_layers: Annotated[int, typer.Option("--max-layers", min=1, max=65_535)] = 1024,
-    max_body_bytes: Annotated[str, typer.Option("--max-body-bytes")] = "4M",
+    max_body_bytes: Annotated[str, typer.Option("--max-body-bytes")] = "5M",
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
     log_format: LogFormat = "text",
     http_limit: HttpLimits = None,

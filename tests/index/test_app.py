@@ -13,7 +13,7 @@ from kvsp.auth import Principals
 from kvsp.core.clock import ManualClock
 from kvsp.core.compat import CompatibilityDescriptor
 from kvsp.core.problems import Forbidden, NotFound, RecordError, Unauthenticated
-from kvsp.core.records import MAX_BATCH_ENTRIES, LookupRequest, ReplicaRef
+from kvsp.core.records import MAX_BATCH_ENTRIES, MAX_KEYS_PER_REQUEST, LookupRequest, ReplicaRef
 from kvsp.index.app import DEFAULT_MAX_BODY_OCTETS, create_app
 from kvsp.index.client import IndexClient, batch_body
 from kvsp.index.rules import IndexLimits
@@ -241,8 +241,9 @@ async def test_bad_input_is_a_problem_and_stores_nothing(
 
 
 async def test_the_default_body_limit_holds_a_full_batch_and_no_more(clock: ManualClock) -> None:
-    """A batch of ``MAX_BATCH_ENTRIES`` ordinary records fits the default limit; one octet
-    more than the limit is refused before it is parsed, and stores nothing."""
+    """A batch of ``MAX_BATCH_ENTRIES`` ordinary records and the longest lookup fit the
+    default limit; one octet more than the limit is refused before it is parsed, and stores
+    nothing."""
     limits = IndexLimits(max_ttl_ms=60_000, max_records=2 * MAX_BATCH_ENTRIES)
     service = IndexService(MemoryReplicaStore(clock, limits))
     app = create_app(service, Principals.parse(PRINCIPALS))
@@ -251,6 +252,8 @@ async def test_the_default_body_limit_holds_a_full_batch_and_no_more(clock: Manu
     ]
     full = batch_body(records)
     assert len(full) < DEFAULT_MAX_BODY_OCTETS
+    longest = lookup_request(*range(MAX_KEYS_PER_REQUEST)).model_dump_json().encode()
+    assert len(longest) < DEFAULT_MAX_BODY_OCTETS
     headers = {"Authorization": "Bearer h1", "Content-Type": "application/json"}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=BASE) as http:
         over = full + b" " * (DEFAULT_MAX_BODY_OCTETS + 1 - len(full))

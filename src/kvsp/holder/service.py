@@ -70,7 +70,7 @@ T = TypeVar("T")
 #: Roles that may read, store and lease blocks (always within their scopes).
 BLOCK_ROLES = (Role.CLIENT, Role.INSTANCE, Role.HOLDER, Role.CONTROLLER)
 #: Effects sent to the Index Service in one batch, at most, and the octets of their records
-#: (half the IS's default 4 MiB body limit: a record with many layers is large).
+#: (well below the IS's default 5 MiB body limit: a record with many layers is large).
 BATCH = 1024
 BATCH_OCTETS = 2 << 20
 #: index updates waiting beyond which a miss no longer withdraws its stale record
