@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from kvsp.auth import Principal, Principals, Role
 from kvsp.core.clock import SystemClock
-from kvsp.core.problems import NotAccepting, RecordError
+from kvsp.core.problems import PROBLEM_TYPE_BASE, NotAccepting, RecordError
 from kvsp.core.records import (
     InstanceState,
     PrefetchDirective,
@@ -89,6 +89,8 @@ class Controller:
 
     def __init__(self) -> None:
         self.limit: int | None = 0
+        #: answer checkpoints as a controller that failed their sessions over
+        self.moved = False
         self.checkpoints: list[dict[str, Any]] = []
         self.app = Starlette(
             routes=[
@@ -104,6 +106,9 @@ class Controller:
     async def checkpoint(self, request: Request) -> Response:
         doc = json.loads(await request.body())
         self.checkpoints.append(doc)
+        if self.moved:
+            problem = {"type": PROBLEM_TYPE_BASE + "kvsp-stale-epoch", "status": 409}
+            return JSONResponse(problem, 409, media_type="application/problem+json")
         offset = doc["output_offset"]
         acknowledged = offset if self.limit is None else min(offset, self.limit)
         return JSONResponse({"recorded": True, "acknowledged": acknowledged, "epoch": doc["epoch"]})
@@ -166,6 +171,22 @@ async def test_no_token_of_a_non_deterministic_sampler_is_released_before_its_ac
     assert len(got[None]) == 8
     assert got[0] == []
     assert got[5] == got[None][:5]
+
+
+async def test_a_session_whose_checkpoint_finds_its_epoch_over_ends_as_moved(
+    cluster: tuple[InstanceService, Controller],
+) -> None:
+    """The controller failed the session over before this instance heard of it: the stream
+    ends saying the session moved (the front end follows it), not with tokens that no
+    controller acknowledged."""
+    instance, controller = cluster
+    controller.moved = True
+    session = await instance.generate(CONTROLLER, "acme", PROMPT, TOP_P, 4)
+    events = [e async for e in instance.stream(session.session, 0, CONTROLLER)]
+    summary = events[-1]
+    assert isinstance(summary, dict)
+    assert (summary["moved"], summary["error"]) == (True, None)
+    assert controller.checkpoints
 
 
 async def test_a_checkpoint_on_a_block_boundary_resumes_to_the_same_tokens(

@@ -53,6 +53,7 @@ from kvsp.core.problems import (
     NotAccepting,
     NotFound,
     ServiceUnavailable,
+    StaleEpoch,
 )
 from kvsp.core.records import (
     InstanceState,
@@ -616,6 +617,13 @@ class InstanceService:
                 if session.cancelled == MOVED or time.monotonic() >= deadline:
                     log.warning("checkpoint of %s: %s", session.session, exc.detail)
                     return False
+            except StaleEpoch as exc:
+                # the controller failed the session over: it goes on elsewhere, and its stream
+                # here ends saying so, as after ``_rejoin`` (whose status answer may come
+                # later, or never reach a session that is finishing)
+                log.warning("checkpoint of %s: %s; it moved", session.session, exc.detail)
+                session.cancel(MOVED)
+                return False
             except KvspError as exc:
                 log.warning("checkpoint of %s: %s", session.session, exc.detail)
                 return False
