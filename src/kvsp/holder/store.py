@@ -588,9 +588,9 @@ class BlockStore:
             found = block
             break
         if found is None:  # a view's count may lag a lease that ended: look again
-            still = [item for item in parked if self._leases.leased(item[2])]
-            passed += [item for item in parked if not self._leases.leased(item[2])]
-            parked = still
+            held, parked = parked, []
+            for item in held:
+                (parked if self._leases.leased(item[2]) else passed).append(item)
             free = [item for item in passed if item[2] not in protect]
             found = min(free)[2] if free else None
         for item in passed:

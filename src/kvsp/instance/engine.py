@@ -130,7 +130,7 @@ class Engine:
         The blocks' sections are joined in one copy, and each layer's cache holds transposed
         views of it: the next forward appends to every layer with a concatenation, which makes
         the cache contiguous anyway. Section by section, with a transposing copy per layer,
-        128 SmolLM2 blocks took 74 ms."""
+        128 SmolLM2 blocks took 39.6 ms against 22.5 (best of 7, same process)."""
         if len(tokens) != len(blocks) * self.block_tokens:
             raise ValueError("tokens must be exactly the tokens of the blocks")
         g = self.geometry
