@@ -50,20 +50,48 @@ def _redis_server() -> str:
 TENANTS = ("demo", "other")
 
 
-#: ports this process handed out: the kernel may offer a released port again before the
-#: service it was meant for has bound it
-_GIVEN: set[int] = set()
+#: the kernel's ephemeral range: an outgoing connection takes its local port from it, so a port
+#: picked there may be taken by some client between being handed out and being bound
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST = 10_000
+
+
+def _outside_ephemeral() -> range:
+    """The larger stretch of ports outside the ephemeral range (all unprivileged ones where that
+    range covers them)."""
+    try:
+        low, high = map(int, _EPHEMERAL.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    below, above = range(_LOWEST, low), range(high + 1, 65536)
+    widest = max(below, above, key=len)
+    return widest if len(widest) else range(1024, 65536)
+
+
+class _PortWalk:
+    """Hands out loopback ports in order from a random start: processes that pick at once (test
+    workers, ``kvsp up``) walk different stretches, and no port comes twice in one process."""
+
+    def __init__(self) -> None:
+        self._ports = _outside_ephemeral()
+        self._at = secrets.randbelow(len(self._ports))
+
+    def take(self) -> int:
+        for _ in range(len(self._ports)):
+            port = self._ports[self._at % len(self._ports)]
+            self._at += 1
+            with socket.socket() as probe, contextlib.suppress(OSError):
+                probe.bind(("127.0.0.1", port))
+                return port
+        raise ServiceUnavailable("no free loopback port")
+
+
+_WALK = _PortWalk()
 
 
 def free_port() -> int:
-    """A loopback port nobody listens on, never the same twice in this process."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port: int = s.getsockname()[1]
-        if port not in _GIVEN:
-            _GIVEN.add(port)
-            return port
+    """A loopback port nobody listens on, outside the kernel's ephemeral range."""
+    return _WALK.take()
 
 
 @dataclass
