@@ -94,6 +94,7 @@ STATE_MODULES = [
     PACKAGE / "index" / "statuses.py",
     PACKAGE / "index" / "wire.py",
     PACKAGE / "index" / "keytable.py",
+    PACKAGE / "index" / "packed.py",
     PACKAGE / "holder" / "blocks.py",
     PACKAGE / "holder" / "store.py",
     PACKAGE / "holder" / "leases.py",

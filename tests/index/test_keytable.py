@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 from kvsp.index import keytable
 from kvsp.index.keytable import COMPILED, DictKeyTable, KeyTable, check_keys, is_hex, untrack
+from kvsp.index.packed import Skeletons
+from kvsp.index.wire import identity_middle
 from tests.conftest import ROOT
 
 #: each implementation: its table, and its key checks (the compiled one where it was built)
@@ -38,6 +40,26 @@ class Value:
         self.n = n
 
 
+#: the skeletons every table of these tests renders from, and its identity members
+SKELETONS = Skeletons()
+IDENTITY = identity_middle(("compat", "scope"))
+
+
+def table_of(impl: str) -> Any:
+    return IMPLEMENTATIONS[impl][0](IDENTITY, SKELETONS.listed)
+
+
+def packed(n: int, k: str | None = None) -> bytes:
+    """A one-record payload of block k whose record says n (and has a digest, so that one is
+    rendered)."""
+    return SKELETONS.pack(k or key(n), b'"n":%d,"digest":"%s"}' % (n, key(n).encode()))
+
+
+def array(k: str, n: int) -> bytes:
+    """The JSON array ``packed(n, k)`` renders to."""
+    return b'[{"block_key":"%s%s"n":%d,"digest":"%s"}]' % (k.encode(), IDENTITY, n, key(n).encode())
+
+
 def frame(table: Any, keys: list[str]) -> tuple[int, bytes]:
     return table.join_prefix(keys, b"<", b"|", b",", b">")
 
@@ -54,15 +76,14 @@ operations = st.lists(
 def test_the_table_behaves_as_a_dict(
     impl: str, ops: list[tuple[str, int]], probe: list[int]
 ) -> None:
-    table: Any = IMPLEMENTATIONS[impl][0]()
+    table: Any = table_of(impl)
     model: dict[str, tuple[Value, bytes | None]] = {}
     for op, n in ops:
         k = key(n)
         if op in ("put", "put_none"):
             value = Value(n)
-            payload = b"[%d]" % n if op == "put" else None
-            table.put(k, value, payload)
-            model[k] = (value, payload)
+            table.put(k, value, packed(n) if op == "put" else None)
+            model[k] = (value, array(k, n) if op == "put" else None)
         elif op == "pop":
             expected = model.pop(k, None)
             assert table.pop(k) is (None if expected is None else expected[0])
@@ -88,7 +109,7 @@ def test_the_table_behaves_as_a_dict(
 
 @both
 def test_growth_and_removal_at_scale_keep_every_key(impl: str) -> None:
-    table: Any = IMPLEMENTATIONS[impl][0]()
+    table: Any = table_of(impl)
     keys = [key(n) for n in range(50_000)]
     for n, k in enumerate(keys):
         table.put(k, n, None)
@@ -103,14 +124,14 @@ def test_growth_and_removal_at_scale_keep_every_key(impl: str) -> None:
 
 @both
 def test_prefixes_longer_than_a_probe_batch(impl: str) -> None:
-    table: Any = IMPLEMENTATIONS[impl][0]()
+    table: Any = table_of(impl)
     keys = [key(n) for n in range(300)]
     for n, k in enumerate(keys[:200]):
-        table.put(k, n, b"%d" % n)
+        table.put(k, n, packed(n))
     assert table.prefix(keys) == list(range(200))
     matched, answer = table.join_prefix(keys, b"", b":", b",", b"")
     assert matched == 200
-    assert answer == b"200:" + b",".join(b"%d" % n for n in range(200))
+    assert answer == b"200:" + b",".join(array(k, n) for n, k in enumerate(keys[:200]))
 
 
 @pytest.mark.parametrize(
@@ -119,8 +140,8 @@ def test_prefixes_longer_than_a_probe_batch(impl: str) -> None:
 )
 @both
 def test_malformed_keys_are_refused_everywhere(impl: str, bad: str) -> None:
-    table: Any = IMPLEMENTATIONS[impl][0]()
-    table.put(key(0), 0, b"0")
+    table: Any = table_of(impl)
+    table.put(key(0), 0, packed(0))
     for call in (
         lambda: table.get(bad),
         lambda: table.put(bad, 1, None),
@@ -140,7 +161,7 @@ def test_malformed_keys_are_refused_everywhere(impl: str, bad: str) -> None:
 
 @both
 def test_put_refuses_none_values_and_non_bytes_payloads(impl: str) -> None:
-    table: Any = IMPLEMENTATIONS[impl][0]()
+    table: Any = table_of(impl)
     with pytest.raises(ValueError, match="None"):
         table.put(key(0), None, None)
     with pytest.raises(TypeError, match="payload"):
@@ -150,7 +171,7 @@ def test_put_refuses_none_values_and_non_bytes_payloads(impl: str) -> None:
 
 @both
 def test_the_table_releases_its_values_and_takes_part_in_garbage_collection(impl: str) -> None:
-    table: Any = IMPLEMENTATIONS[impl][0]()
+    table: Any = table_of(impl)
     value = Value(1)
     ref = weakref.ref(value)
     table.put(key(0), value, None)
@@ -163,7 +184,7 @@ def test_the_table_releases_its_values_and_takes_part_in_garbage_collection(impl
         pass
 
     cyclic = Holder()
-    inner: Any = IMPLEMENTATIONS[impl][0]()
+    inner: Any = table_of(impl)
     inner.put(key(1), cyclic, None)
     cyclic.table = inner  # type: ignore[attr-defined]
     cycle_ref = weakref.ref(cyclic)
@@ -176,21 +197,41 @@ def test_the_table_releases_its_values_and_takes_part_in_garbage_collection(impl
 def test_a_value_let_go_by_put_may_use_the_table_as_it_goes(impl: str) -> None:
     """Replacing a value frees the old one, whose finaliser may change the table (here it
     grows it past a resize): the replaced slot is whole before that, and stays right."""
-    table: Any = IMPLEMENTATIONS[impl][0]()
+    table: Any = table_of(impl)
 
     class Grows:
         def __del__(self) -> None:
             for n in range(100, 140):
-                table.put(key(n), Value(n), b"x")
+                table.put(key(n), Value(n), packed(n))
 
     for n in range(3):
         table.put(key(n), Value(n), None)
-    table.put(key(0), Grows(), b"old")
-    table.put(key(0), Value(7), b"new")
+    table.put(key(0), Grows(), packed(1, key(0)))
+    table.put(key(0), Value(7), packed(7, key(0)))
     assert table.get(key(0)).n == 7
-    assert frame(table, [key(0)]) == (1, b"<1|new>")
+    assert frame(table, [key(0)]) == (1, b"<1|%s>" % array(key(0), 7))
     assert len(table) == 43
     assert all(table.get(key(n)).n == n for n in range(100, 140))
+
+
+@both
+def test_a_block_of_records_renders_as_its_array_and_a_bad_payload_is_refused(impl: str) -> None:
+    """Several records packed one after another render as one array; a payload that is cut
+    short, names no skeleton or holds nothing is refused (never read past)."""
+    table = table_of(impl)
+    two = SKELETONS.pack(
+        key(0), b'"h":1,"layer_digests":["%s","%s"]}' % (key(1).encode(), key(2).encode())
+    )
+    table.put(key(0), 0, packed(5, key(0)) + two)
+    matched, answer = table.join_prefix([key(0)], b"", b"", b",", b"")
+    record = b'{"block_key":"%s%s' % (key(0).encode(), IDENTITY)
+    digests = b'"h":1,"layer_digests":["%s","%s"]}' % (key(1).encode(), key(2).encode())
+    assert (matched, answer) == (1, b"1" + array(key(0), 5)[:-1] + b"," + record + digests + b"]")
+    unknown = (len(SKELETONS.listed) + 10).to_bytes(4, "little")
+    for bad in (two[:-1], two[:3], unknown, b""):
+        table.put(key(1), 1, bad)
+        with pytest.raises(ValueError, match=r"packed record|no record"):
+            table.join_prefix([key(1)], b"", b"", b",", b"")
 
 
 @pytest.mark.parametrize(
@@ -215,7 +256,7 @@ def test_is_hex(impl: str, text: str, expected: bool) -> None:
 @both
 @given(st.binary(min_size=32, max_size=32))
 def test_hex_decoding_agrees_with_bytes_fromhex(impl: str, octets: bytes) -> None:
-    table: Any = IMPLEMENTATIONS[impl][0]()
+    table: Any = table_of(impl)
     table.put(octets.hex(), 1, None)
     assert table.prefix(octets) == [1]  # packed form: the same key
     assert IMPLEMENTATIONS[impl][1]([octets.hex()]) is None
@@ -223,7 +264,7 @@ def test_hex_decoding_agrees_with_bytes_fromhex(impl: str, octets: bytes) -> Non
 
 @both
 def test_packed_keys_come_in_whole_keys(impl: str) -> None:
-    table: Any = IMPLEMENTATIONS[impl][0]()
+    table: Any = table_of(impl)
     with pytest.raises(ValueError, match="32 octets"):
         table.prefix(b"\0" * 31)
     assert table.prefix(b"") == []

@@ -191,7 +191,7 @@ def test_stored_records_are_out_of_the_collector_and_still_freed(clock: ManualCl
         table.publish_many([replica(n) for n in range(500)])  # refreshes
         found = table.lookup(COMPAT, SCOPE_A, keys(*range(500)))
         assert len(found) == 500
-        objects = [table._spaces[(COMPAT, SCOPE_A)], table._deadlines, found[0]]
+        objects = [table._spaces[(COMPAT, SCOPE_A)], table._deadlines]
         objects += [found[0].replicas, *found[0].replicas]
         assert [gc.is_tracked(o) for o in objects] == [not COMPILED] * len(objects)
         gc.collect()
@@ -213,3 +213,25 @@ def test_stored_records_are_out_of_the_collector_and_still_freed(clock: ManualCl
     finally:
         tracemalloc.stop()
     assert after - first < 100_000, (first, after)
+
+
+def test_a_skeleton_goes_with_the_last_record_that_uses_it(
+    table: ReplicaTable, clock: ManualClock
+) -> None:
+    """Records that differ in more than their digests (here their TTLs) each bring a skeleton;
+    refreshes, withdrawals and expiry take every one away with its last record."""
+    table.publish_many([replica(n, ttl_ms=1_000 + n) for n in range(50)])
+    table.publish_many([replica(n, holder=H2, ttl_ms=1_000) for n in range(50)])
+    assert len(table._skeletons) == 51
+    table.publish_many([replica(n, ttl_ms=2_000) for n in range(50)])  # refreshed, alike now
+    assert len(table._skeletons) == 2
+    for n in range(50):
+        table.withdraw(ref(n, holder=H2))
+    assert len(table._skeletons) == 1
+    (block,) = table.lookup(COMPAT, SCOPE_A, keys(7))
+    assert [ReplicaRecord.parse(r) for r in json.loads(block.rendered())] == [
+        replica(7, ttl_ms=2_000)
+    ]
+    clock.advance(2_000)
+    assert table.count == 0
+    assert len(table._skeletons) == 0

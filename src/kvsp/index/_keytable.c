@@ -10,8 +10,9 @@
  * them straight from a request body's JSON). The hash mixes the key's four words with a secret
  * derived from CPython's hash secret, so published keys cannot be chosen to collide. Linear
  * probing at a load of at most 1/2, with backward-shift deletion (no tombstones). Each slot
- * holds a value (any object) and a payload (bytes or None) that lookups join without touching
- * the value.
+ * holds a value (any object) and a payload (bytes or None): the block's records packed
+ * (packed.py: each a skeleton's number, the block key's and the digests' octets), from which a
+ * lookup renders the block's JSON array without touching the value.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,6 +31,8 @@ typedef struct {
     Slot *slots;
     size_t mask;
     Py_ssize_t used;
+    PyObject *identity;  /* bytes: what follows each record's block key */
+    PyObject *skeletons; /* list of bytes (or None where freed), shared with the store */
 } KeyTable;
 
 /* Eight lowercase hex digits -> four octets, eight at a time (SWAR); -1 if any is not one of
@@ -170,14 +173,18 @@ resize(KeyTable *self, size_t capacity)
 static PyObject *
 KeyTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, ":KeyTable", kwlist)) {
+    static char *kwlist[] = {"", "", NULL};
+    PyObject *identity, *skeletons;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!:KeyTable", kwlist, &PyBytes_Type,
+                                     &identity, &PyList_Type, &skeletons)) {
         return NULL;
     }
     KeyTable *self = (KeyTable *)type->tp_alloc(type, 0);
     if (self == NULL) {
         return NULL;
     }
+    self->identity = Py_NewRef(identity);
+    self->skeletons = Py_NewRef(skeletons);
     if (resize(self, 8) < 0) {
         Py_DECREF(self);
         return NULL;
@@ -194,12 +201,15 @@ KeyTable_traverse(KeyTable *self, visitproc visit, void *arg)
             Py_VISIT(self->slots[i].payload);
         }
     }
+    Py_VISIT(self->skeletons);
     return 0;
 }
 
 static int
 KeyTable_clear(KeyTable *self)
 {
+    Py_CLEAR(self->identity);
+    Py_CLEAR(self->skeletons);
     if (self->slots != NULL) {
         Slot *slots = self->slots;
         size_t mask = self->mask;
@@ -469,10 +479,121 @@ KeyTable_prefix(KeyTable *self, PyObject *keys_arg)
     return out;
 }
 
+#define RECORD_OPEN "{\"block_key\":\""
+#define RECORD_OPEN_LEN ((Py_ssize_t)sizeof(RECORD_OPEN) - 1)
+#define PACKED_HEAD 36 /* a packed record's skeleton number and block key */
+
+static char *
+hex32(const unsigned char *octets, char *out)
+{
+    static const char digits[] = "0123456789abcdef";
+    for (int i = 0; i < 32; i++) {
+        *out++ = digits[octets[i] >> 4];
+        *out++ = digits[octets[i] & 15];
+    }
+    return out;
+}
+
+/* The skeleton a packed record at p names (left octets from p on) and the count of its digests,
+ * or NULL with ValueError set when the payload does not parse. */
+static PyObject *
+skeleton_at(KeyTable *self, const unsigned char *p, Py_ssize_t left, Py_ssize_t *holes)
+{
+    if (left < PACKED_HEAD) {
+        PyErr_SetString(PyExc_ValueError, "a packed record is cut short");
+        return NULL;
+    }
+    uint32_t number = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16
+                      | (uint32_t)p[3] << 24;
+    PyObject *skeleton = (Py_ssize_t)number < PyList_GET_SIZE(self->skeletons)
+                             ? PyList_GET_ITEM(self->skeletons, number)
+                             : NULL;
+    if (skeleton == NULL || !PyBytes_CheckExact(skeleton)) {
+        PyErr_SetString(PyExc_ValueError, "a packed record names no skeleton");
+        return NULL;
+    }
+    const char *at = PyBytes_AS_STRING(skeleton), *end = at + PyBytes_GET_SIZE(skeleton);
+    Py_ssize_t count = 0;
+    while ((at = memchr(at, 0, (size_t)(end - at))) != NULL) {
+        count++;
+        at++;
+    }
+    if (left < PACKED_HEAD + 32 * count) {
+        PyErr_SetString(PyExc_ValueError, "a packed record is cut short");
+        return NULL;
+    }
+    *holes = count;
+    return skeleton;
+}
+
+/* The length of the JSON array rendered from a payload, or -1 with ValueError set. */
+static Py_ssize_t
+array_size(KeyTable *self, PyObject *payload)
+{
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(payload);
+    Py_ssize_t left = PyBytes_GET_SIZE(payload), size = 1, records = 0;
+    Py_ssize_t opened = RECORD_OPEN_LEN + 64 + PyBytes_GET_SIZE(self->identity);
+    while (left > 0) {
+        Py_ssize_t holes;
+        PyObject *skeleton = skeleton_at(self, p, left, &holes);
+        if (skeleton == NULL) {
+            return -1;
+        }
+        size += 1 + opened + PyBytes_GET_SIZE(skeleton) + 63 * holes; /* the ',' or the ']' */
+        p += PACKED_HEAD + 32 * holes;
+        left -= PACKED_HEAD + 32 * holes;
+        records++;
+    }
+    if (records == 0) {
+        PyErr_SetString(PyExc_ValueError, "a block's payload holds no record");
+        return -1;
+    }
+    return size;
+}
+
+/* Render a payload array_size accepted: '[' + each record's JSON joined by ',' + ']'. */
+static char *
+render_array(KeyTable *self, PyObject *payload, char *out)
+{
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(payload);
+    Py_ssize_t left = PyBytes_GET_SIZE(payload);
+    const char *identity = PyBytes_AS_STRING(self->identity);
+    Py_ssize_t identity_len = PyBytes_GET_SIZE(self->identity);
+    *out++ = '[';
+    while (left > 0) {
+        Py_ssize_t holes;
+        PyObject *skeleton = skeleton_at(self, p, left, &holes);
+        memcpy(out, RECORD_OPEN, RECORD_OPEN_LEN);
+        out = hex32(p + 4, out + RECORD_OPEN_LEN);
+        memcpy(out, identity, (size_t)identity_len);
+        out += identity_len;
+        const char *at = PyBytes_AS_STRING(skeleton);
+        const char *end = at + PyBytes_GET_SIZE(skeleton);
+        const unsigned char *digest = p + PACKED_HEAD;
+        for (;;) {
+            const char *hole = memchr(at, 0, (size_t)(end - at));
+            const char *stop = hole != NULL ? hole : end;
+            memcpy(out, at, (size_t)(stop - at));
+            out += stop - at;
+            if (hole == NULL) {
+                break;
+            }
+            out = hex32(digest, out);
+            digest += 32;
+            at = hole + 1;
+        }
+        p += PACKED_HEAD + 32 * holes;
+        left -= PACKED_HEAD + 32 * holes;
+        *out++ = left > 0 ? ',' : ']';
+    }
+    return out;
+}
+
 /* join_prefix(keys, head, middle, sep, tail)
- *   -> (matched, head + decimal(matched) + middle + sep.join(payloads) + tail)
- * The whole answer in one allocation: every payload is copied once, its lines prefetched
- * first. Raises LookupError when a matched key has no payload. */
+ *   -> (matched, head + decimal(matched) + middle + sep.join(arrays) + tail)
+ * where each matched block's JSON array is rendered from its payload. The whole answer in one
+ * allocation, its size counted first. Raises LookupError when a matched key has no payload,
+ * ValueError when a payload does not parse. */
 static PyObject *
 KeyTable_join_prefix(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -508,10 +629,9 @@ KeyTable_join_prefix(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_LookupError, "a matched key has no payload");
             goto done;
         }
-        const char *data = PyBytes_AS_STRING(payload);
-        Py_ssize_t size = PyBytes_GET_SIZE(payload);
-        for (Py_ssize_t line = 64 * PAYLOAD_LINES; line < size; line += 64) {
-            __builtin_prefetch(data + line);
+        Py_ssize_t size = array_size(self, payload);
+        if (size < 0) {
+            goto done;
         }
         total += size + (k ? sep_len : 0);
     }
@@ -532,8 +652,7 @@ KeyTable_join_prefix(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
         if (k) {
             APPEND(PyBytes_AS_STRING(sep), sep_len);
         }
-        PyObject *payload = found[k]->payload;
-        APPEND(PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload));
+        p = render_array(self, found[k]->payload, p);
     }
     APPEND(PyBytes_AS_STRING(args[4]), PyBytes_GET_SIZE(args[4]));
 #undef APPEND
@@ -568,8 +687,8 @@ static PyMethodDef KeyTable_methods[] = {
     {"prefix", (PyCFunction)KeyTable_prefix, METH_O,
      "Values of the leading keys present, stopping at the first absent one."},
     {"join_prefix", (PyCFunction)(void (*)(void))KeyTable_join_prefix, METH_FASTCALL,
-     "(matched, head + str(matched) + middle + sep.join(payloads) + tail) of the\n"
-     "leading keys present."},
+     "(matched, head + str(matched) + middle + sep.join(arrays) + tail) of the\n"
+     "leading keys present, each array rendered from its packed records."},
     {"values", (PyCFunction)KeyTable_values, METH_NOARGS, "Every value, in no order."},
     {NULL, NULL, 0, NULL},
 };

@@ -6,7 +6,10 @@ and runs kvsp with the fallback; ``COMPILED`` says which one this process uses.
 
 The contract (tests/index/test_keytable.py holds both to it): keys are 64 lowercase hex digits
 (str), or for lookups bytes of packed keys, 32 octets each; a value is any object but None; a
-payload is bytes or None; ``prefix`` and ``join_prefix`` stop at the first key not held;
+payload is bytes or None: a block's records packed (``packed.py``), which ``join_prefix`` renders
+as the block's JSON array with the table's identity members (``identity_middle``),
+from the skeletons listed in the list the table was made with (``Skeletons.listed``, shared and
+read at each join); ``prefix`` and ``join_prefix`` stop at the first key not held;
 ``pack_keys`` turns a request's raw JSON array of keys into packed keys, or answers None for
 anything it does not take as it is (the caller then decodes it the slow way, which says what is
 wrong): the fallback always answers None. ``untrack`` takes objects that are never part of a
@@ -19,6 +22,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from typing import Generic, TypeVar
+
+from kvsp.index.packed import render_array
 
 __all__ = ["COMPILED", "DictKeyTable", "KeyTable", "check_keys", "is_hex", "pack_keys", "untrack"]
 
@@ -47,7 +52,11 @@ def _keys_of(keys: Sequence[str] | bytes) -> list[str]:
 class DictKeyTable(Generic[V]):
     """``_keytable.KeyTable``'s contract over a dict."""
 
-    def __init__(self) -> None:
+    def __init__(self, identity: bytes, skeletons: list[bytes | None], /) -> None:
+        if not isinstance(identity, bytes) or not isinstance(skeletons, list):
+            raise TypeError("KeyTable(identity, skeletons) takes bytes and a list")
+        self._identity = identity
+        self._skeletons = skeletons
         self._entries: dict[str, tuple[V, bytes | None]] = {}
 
     def __len__(self) -> int:
@@ -84,13 +93,13 @@ class DictKeyTable(Generic[V]):
     def join_prefix(
         self, keys: Sequence[str] | bytes, head: bytes, middle: bytes, sep: bytes, tail: bytes, /
     ) -> tuple[int, bytes]:
-        payloads = []
+        arrays = []
         for _, payload in self._leading(keys):
             if payload is None:
                 raise LookupError("a matched key has no payload")
-            payloads.append(payload)
-        matched = len(payloads)
-        return matched, b"%s%d%s%s%s" % (head, matched, middle, sep.join(payloads), tail)
+            arrays.append(render_array(self._identity, payload, self._skeletons))
+        matched = len(arrays)
+        return matched, b"%s%d%s%s%s" % (head, matched, middle, sep.join(arrays), tail)
 
     def values(self) -> list[V]:
         return [value for value, _ in self._entries.values()]

@@ -41,6 +41,7 @@ from kvsp.core.clock import Clock
 from kvsp.core.problems import CapacityExhausted, InvalidInput, ServiceUnavailable, StaleEpoch
 from kvsp.core.records import InstanceStatusRecord, ReplicaRecord, ReplicaRef
 from kvsp.core.urls import canonical_url
+from kvsp.index.packed import Skeletons
 from kvsp.index.replicas import (
     BlockReplicas,
     PublishOutcome,
@@ -348,13 +349,20 @@ class RedisReplicaStore:
         now = int(seconds) * 1000 + int(micros) // 1000
         matched: list[BlockReplicas] = []
         space = (compat, scope)
+        skeletons = Skeletons()  # the replicas answer as the memory store's do
         for block_key, fields in zip(block_keys, results[1 : 1 + len(block_keys)], strict=True):
             live = []
             for holder, value in fields.items():
                 deadline, _, tail = value.partition(b"|")
                 if int(deadline) > now:
                     live.append(
-                        StoredReplica(space, block_key, holder.decode(), int(deadline), tail)
+                        StoredReplica(
+                            space,
+                            holder.decode(),
+                            int(deadline),
+                            skeletons.pack(block_key, tail),
+                            packed_by=skeletons,
+                        )
                     )
             if not live:
                 break

@@ -3,9 +3,8 @@ lookup answers (KVSP 6.2), and block keys packed 32 octets each.
 
 A record's served JSON is its block's identity prefix (the members every record of a block
 shares) followed by its tail (everything else, with the granted ``ttl_ms``). Stores keep only
-tails; a block's array is ``[`` + the records joined by ``,`` + ``]``. The identity prefix can
-never occur inside a record (a JSON string cannot hold an unescaped quote), so ``,`` + prefix
-marks exactly the boundaries of an array's records: ``split_array`` undoes ``join_array``.
+tails (the memory store packs them: ``packed.py``); a block's array is ``[`` + the records
+joined by ``,`` + ``]``.
 """
 
 from __future__ import annotations
@@ -21,17 +20,18 @@ __all__ = [
     "ANSWER_HEAD",
     "ANSWER_MIDDLE",
     "IDENTITY",
+    "RECORD_OPEN",
     "PackedKeys",
     "Space",
     "answer_json",
     "batch_json",
     "holders_json",
+    "identity_middle",
     "identity_prefix",
     "join_array",
     "probed",
     "published_json",
     "record_tail",
-    "split_array",
 ]
 
 Space = tuple[str, str]
@@ -41,14 +41,19 @@ Space = tuple[str, str]
 IDENTITY = frozenset({"block_key", "compat_id", "scope_id"})
 
 
+#: how every record's JSON begins, before its block key's hex
+RECORD_OPEN = b'{"block_key":"'
+
+
+def identity_middle(space: Space) -> bytes:
+    """What follows a record's block key: its space's identity members, then its tail."""
+    compat, scope = space
+    return b'","compat_id":"%s","scope_id":"%s",' % (compat.encode(), scope.encode())
+
+
 def identity_prefix(space: Space, block_key: str) -> bytes:
     """How the JSON of every record of a block begins: its identity members."""
-    compat, scope = space
-    return b'{"block_key":"%s","compat_id":"%s","scope_id":"%s",' % (
-        block_key.encode(),
-        compat.encode(),
-        scope.encode(),
-    )
+    return RECORD_OPEN + block_key.encode() + identity_middle(space)
 
 
 def record_tail(record: ReplicaRecord, ttl_ms: int) -> bytes:
@@ -63,11 +68,6 @@ def record_tail(record: ReplicaRecord, ttl_ms: int) -> bytes:
 def join_array(prefix: bytes, tails: Sequence[bytes]) -> bytes:
     """The JSON array of a block's records, from its identity prefix and their tails."""
     return b"[" + b",".join(prefix + tail for tail in tails) + b"]"
-
-
-def split_array(prefix: bytes, array: bytes) -> list[bytes]:
-    """The tails ``join_array`` joined, in order."""
-    return array[1 + len(prefix) : -1].split(b"," + prefix)
 
 
 #: a lookup answer is ANSWER_HEAD, the matched count, ANSWER_MIDDLE, the blocks' arrays joined

@@ -1,0 +1,128 @@
+"""Replica records as the memory store keeps them, pure: a shared skeleton and binary digests.
+
+A record's served JSON tail (``wire.record_tail``) is the same from record to record of one
+publisher (holder, codec, size, residency, granted TTL) but for its digests: 64 hex digits each,
+a quarter of a plain record and nearly all of one with layer digests. So the store keeps each
+distinct skeleton once (the tail with each digest's hex cut out and a NUL in its place: JSON as
+pydantic writes it never holds a raw NUL) and per record only the skeleton's number, 4 octets
+little-endian, its block key's 32 octets and each digest's 32 octets (the key too: a stored
+replica then needs no key string of its own). A block's payload in the key table is its records
+packed so, one after another; the table renders its JSON array from them and its space's
+identity members (``wire.identity_middle``), in ``_keytable.c`` or in ``render_array`` here:
+the same octets ``wire.join_array`` makes from the tails (decision 0026).
+
+What counts as a digest is only a matter of size: any run of exactly 64 lowercase hex digits
+that ends a JSON string and starts it or follows a ``:`` (``"sha-256:..."``) is cut, and
+rendering puts back the same digits, so packing loses nothing whatever the run means.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Iterator, Sequence
+
+from kvsp.index.wire import RECORD_OPEN
+
+__all__ = ["Skeletons", "block_key_of", "render_array", "split_tail"]
+
+_DIGEST = re.compile(rb'(?<=[":])[0-9a-f]{64}(?=")')
+_NUMBER = struct.Struct("<I")
+#: a packed record's skeleton number and block key, before its digests
+_HEAD = 4 + 32
+
+
+def split_tail(tail: bytes) -> tuple[bytes, bytes]:
+    """The tail's skeleton and its digests' octets, in order."""
+    if b"\0" in tail:
+        raise ValueError("a record's JSON tail holds no NUL")
+    digests = b"".join(bytes.fromhex(run.decode()) for run in _DIGEST.findall(tail))
+    return _DIGEST.sub(b"\0", tail), digests
+
+
+def _filled(skeleton: bytes, digests: bytes | memoryview) -> bytes:
+    pieces = skeleton.split(b"\0")
+    out = [pieces[0]]
+    for n, piece in enumerate(pieces[1:]):
+        out += (digests[32 * n : 32 * n + 32].hex().encode(), piece)
+    return b"".join(out)
+
+
+def _records(payload: bytes, skeletons: Sequence[bytes | None]) -> Iterator[tuple[bytes, bytes]]:
+    """Each packed record's block key (its hex) and tail, rendered; ValueError where the
+    payload does not parse."""
+    at = 0
+    while at < len(payload):
+        if len(payload) - at < _HEAD:
+            raise ValueError("a packed record is cut short")
+        (number,) = _NUMBER.unpack_from(payload, at)
+        skeleton = skeletons[number] if number < len(skeletons) else None
+        if skeleton is None:
+            raise ValueError("a packed record names no skeleton")
+        end = at + _HEAD + 32 * skeleton.count(0)
+        if end > len(payload):
+            raise ValueError("a packed record is cut short")
+        key = payload[at + 4 : at + _HEAD].hex().encode()
+        yield key, _filled(skeleton, memoryview(payload)[at + _HEAD : end])
+        at = end
+
+
+def block_key_of(packed: bytes) -> str:
+    """The block key a record was packed with."""
+    return packed[4:_HEAD].hex()
+
+
+def render_array(identity: bytes, payload: bytes, skeletons: Sequence[bytes | None]) -> bytes:
+    """A block's JSON array from its packed records (what the compiled table renders)."""
+    records = [RECORD_OPEN + key + identity + tail for key, tail in _records(payload, skeletons)]
+    if not records:
+        raise ValueError("a block's payload holds no record")
+    return b"[" + b",".join(records) + b"]"
+
+
+class Skeletons:
+    """Each distinct skeleton once, counted by the records that use it, so that none outlives
+    its last record (publishers that vary their records leave nothing behind). ``listed`` is
+    what key tables render from: a freed number holds None until a new skeleton takes it."""
+
+    def __init__(self) -> None:
+        self.listed: list[bytes | None] = []
+        self._number: dict[bytes, int] = {}
+        self._uses: list[int] = []
+        self._free: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._number)
+
+    def pack(self, block_key: str, tail: bytes) -> bytes:
+        """The record packed: its skeleton's number (now used once more), its block key and
+        its digests."""
+        skeleton, digests = split_tail(tail)
+        number = self._number.get(skeleton)
+        if number is None:
+            if self._free:
+                number = self._free.pop()
+                self.listed[number] = skeleton
+            else:
+                number = len(self.listed)
+                self.listed.append(skeleton)
+                self._uses.append(0)
+            self._number[skeleton] = number
+        self._uses[number] += 1
+        return _NUMBER.pack(number) + bytes.fromhex(block_key) + digests
+
+    def release(self, packed: bytes) -> None:
+        """A record packed by ``pack`` is gone: its skeleton is used once less."""
+        (number,) = _NUMBER.unpack_from(packed)
+        self._uses[number] -= 1
+        if not self._uses[number]:
+            skeleton = self.listed[number]
+            assert skeleton is not None
+            del self._number[skeleton]
+            self.listed[number] = None
+            self._free.append(number)
+
+    def tail(self, packed: bytes) -> bytes:
+        """The JSON tail a record was packed from."""
+        ((_, tail),) = _records(packed, self.listed)
+        return tail
