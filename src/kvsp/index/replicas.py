@@ -120,13 +120,23 @@ class StoredReplica:
         return self.summary
 
 
+#: what a key table holds for a block: its replica, or a tuple of its two or more
+Held = StoredReplica | tuple[StoredReplica, ...]
+
+
 class BlockReplicas:
     """The live replicas of one block."""
 
     __slots__ = ("replicas",)
 
-    def __init__(self, replicas: tuple[StoredReplica, ...]) -> None:
-        self.replicas = replicas
+    def __init__(self, replicas: Held) -> None:
+        self.replicas = replicas if isinstance(replicas, tuple) else (replicas,)
+
+    @property
+    def held(self) -> Held:
+        """What the key table holds for this block (most blocks have one replica: no tuple)."""
+        replicas = self.replicas
+        return replicas[0] if len(replicas) == 1 else replicas
 
     def rendered(self) -> bytes:
         """The block's JSON array, as a lookup serves it."""
@@ -193,7 +203,7 @@ class ReplicaTable:
         self._limits = limits
         self._render = render_at_publish
         # (compat, scope) -> block_key -> replicas: a lookup resolves its space once.
-        self._spaces: dict[Space, KeyTable[tuple[StoredReplica, ...]]] = {}
+        self._spaces: dict[Space, KeyTable[Held]] = {}
         self._deadlines: list[StoredReplica] = []
         untrack(self._deadlines)
         self._summaries: dict[ReplicaSummary, ReplicaSummary] = {}
@@ -215,8 +225,8 @@ class ReplicaTable:
 
     def _block(self, space: Space, block_key: str) -> BlockReplicas | None:
         blocks = self._spaces.get(space)
-        replicas = None if blocks is None else blocks.get(block_key)
-        return None if replicas is None else BlockReplicas(replicas)
+        held = None if blocks is None else blocks.get(block_key)
+        return None if held is None else BlockReplicas(held)
 
     def publish(self, record: ReplicaRecord) -> PublishOutcome:
         """Store or refresh (same record, new deadline) one record; 507 past the limit."""
@@ -280,18 +290,16 @@ class ReplicaTable:
             self._compact()
         return PublishOutcome(created, ttl)
 
-    def _set(
-        self, blocks: KeyTable[tuple[StoredReplica, ...]], key: str, block: BlockReplicas
-    ) -> None:
+    def _set(self, blocks: KeyTable[Held], key: str, block: BlockReplicas) -> None:
         """(Re)enter a changed block's replicas with their records packed, which lookups
-        render. The table holds the tuple itself: a ``BlockReplicas`` is made only to change
-        or to answer a block (48 octets fewer a block)."""
+        render. The table holds the replica itself, or a tuple of them: a ``BlockReplicas``
+        is made only to change or to answer a block (96 octets fewer a block)."""
         replicas = block.replicas
         untrack(replicas, *replicas)
         if self._render:  # one record: the payload is its packed octets, not a copy
-            blocks.put(key, replicas, b"".join(r.packed for r in replicas))
+            blocks.put(key, block.held, b"".join(r.packed for r in replicas))
         else:
-            blocks.put(key, replicas, None)
+            blocks.put(key, block.held, None)
 
     def withdraw(self, ref: ReplicaRef) -> bool:
         self.expire()
@@ -340,8 +348,8 @@ class ReplicaTable:
         self._deadlines = [
             replica
             for blocks in self._spaces.values()
-            for replicas in blocks.values()
-            for replica in replicas
+            for held in blocks.values()
+            for replica in BlockReplicas(held).replicas
         ]
         untrack(self._deadlines)
         heapq.heapify(self._deadlines)
@@ -352,7 +360,7 @@ class ReplicaTable:
         blocks = self._spaces.get((compat, scope))
         if blocks is None:
             return []
-        return [BlockReplicas(replicas) for replicas in blocks.prefix(probed(block_keys))]
+        return [BlockReplicas(held) for held in blocks.prefix(probed(block_keys))]
 
     def answer(self, compat: str, scope: str, block_keys: Sequence[str]) -> tuple[int, bytes]:
         """The matched count and the whole lookup answer without estimates, as ``answer_json``
