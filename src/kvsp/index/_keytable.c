@@ -483,21 +483,30 @@ KeyTable_prefix(KeyTable *self, PyObject *keys_arg)
 #define RECORD_OPEN_LEN ((Py_ssize_t)sizeof(RECORD_OPEN) - 1)
 #define PACKED_HEAD 36 /* a packed record's skeleton number and block key */
 
+/* 32 octets -> 64 lowercase hex digits, four octets at a time (SWAR): each octet's nibbles are
+ * spread to bytes of their own, then 0-9 and a-f are offset to their characters. */
 static char *
 hex32(const unsigned char *octets, char *out)
 {
-    static const char digits[] = "0123456789abcdef";
-    for (int i = 0; i < 32; i++) {
-        *out++ = digits[octets[i] >> 4];
-        *out++ = digits[octets[i] & 15];
+    const uint64_t nibbles = 0x000f000f000f000fULL, ones = 0x0101010101010101ULL;
+    for (int i = 0; i < 32; i += 4) {
+        uint32_t word;
+        memcpy(&word, octets + i, 4);
+        uint64_t x = word;
+        x = (x | (x << 16)) & 0x0000ffff0000ffffULL;
+        x = (x | (x << 8)) & 0x00ff00ff00ff00ffULL; /* octet k in bits 16k.. */
+        uint64_t n = ((x >> 4) & nibbles) | ((x & nibbles) << 8); /* high nibble first */
+        uint64_t letter = ((n + 6 * ones) >> 4) & ones;           /* 1 where n >= 10 */
+        uint64_t digits = n + 0x30 * ones + letter * ('a' - '0' - 10);
+        memcpy(out + 2 * i, &digits, 8);
     }
-    return out;
+    return out + 64;
 }
 
 /* The skeleton a packed record at p names (left octets from p on) and the count of its digests,
  * or NULL with ValueError set when the payload does not parse. */
 static PyObject *
-skeleton_at(KeyTable *self, const unsigned char *p, Py_ssize_t left, Py_ssize_t *holes)
+skeleton_at(PyObject *skeletons, const unsigned char *p, Py_ssize_t left, Py_ssize_t *holes)
 {
     if (left < PACKED_HEAD) {
         PyErr_SetString(PyExc_ValueError, "a packed record is cut short");
@@ -505,8 +514,8 @@ skeleton_at(KeyTable *self, const unsigned char *p, Py_ssize_t left, Py_ssize_t 
     }
     uint32_t number = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16
                       | (uint32_t)p[3] << 24;
-    PyObject *skeleton = (Py_ssize_t)number < PyList_GET_SIZE(self->skeletons)
-                             ? PyList_GET_ITEM(self->skeletons, number)
+    PyObject *skeleton = (Py_ssize_t)number < PyList_GET_SIZE(skeletons)
+                             ? PyList_GET_ITEM(skeletons, number)
                              : NULL;
     if (skeleton == NULL || !PyBytes_CheckExact(skeleton)) {
         PyErr_SetString(PyExc_ValueError, "a packed record names no skeleton");
@@ -528,14 +537,14 @@ skeleton_at(KeyTable *self, const unsigned char *p, Py_ssize_t left, Py_ssize_t 
 
 /* The length of the JSON array rendered from a payload, or -1 with ValueError set. */
 static Py_ssize_t
-array_size(KeyTable *self, PyObject *payload)
+array_size(PyObject *identity, PyObject *skeletons, PyObject *payload)
 {
     const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(payload);
     Py_ssize_t left = PyBytes_GET_SIZE(payload), size = 1, records = 0;
-    Py_ssize_t opened = RECORD_OPEN_LEN + 64 + PyBytes_GET_SIZE(self->identity);
+    Py_ssize_t opened = RECORD_OPEN_LEN + 64 + PyBytes_GET_SIZE(identity);
     while (left > 0) {
         Py_ssize_t holes;
-        PyObject *skeleton = skeleton_at(self, p, left, &holes);
+        PyObject *skeleton = skeleton_at(skeletons, p, left, &holes);
         if (skeleton == NULL) {
             return -1;
         }
@@ -553,23 +562,23 @@ array_size(KeyTable *self, PyObject *payload)
 
 /* Render a payload array_size accepted: '[' + each record's JSON joined by ',' + ']'. */
 static char *
-render_array(KeyTable *self, PyObject *payload, char *out)
+render_array(PyObject *identity, PyObject *skeletons, PyObject *payload, char *out)
 {
     const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(payload);
-    Py_ssize_t left = PyBytes_GET_SIZE(payload);
-    const char *identity = PyBytes_AS_STRING(self->identity);
-    Py_ssize_t identity_len = PyBytes_GET_SIZE(self->identity);
+    const unsigned char *end_of_payload = p + PyBytes_GET_SIZE(payload);
+    Py_ssize_t identity_len = PyBytes_GET_SIZE(identity);
     *out++ = '[';
-    while (left > 0) {
-        Py_ssize_t holes;
-        PyObject *skeleton = skeleton_at(self, p, left, &holes);
+    while (p < end_of_payload) {
+        uint32_t number = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16
+                          | (uint32_t)p[3] << 24;
+        PyObject *skeleton = PyList_GET_ITEM(skeletons, number);
         memcpy(out, RECORD_OPEN, RECORD_OPEN_LEN);
         out = hex32(p + 4, out + RECORD_OPEN_LEN);
-        memcpy(out, identity, (size_t)identity_len);
+        memcpy(out, PyBytes_AS_STRING(identity), (size_t)identity_len);
         out += identity_len;
         const char *at = PyBytes_AS_STRING(skeleton);
         const char *end = at + PyBytes_GET_SIZE(skeleton);
-        const unsigned char *digest = p + PACKED_HEAD;
+        p += PACKED_HEAD;
         for (;;) {
             const char *hole = memchr(at, 0, (size_t)(end - at));
             const char *stop = hole != NULL ? hole : end;
@@ -578,13 +587,11 @@ render_array(KeyTable *self, PyObject *payload, char *out)
             if (hole == NULL) {
                 break;
             }
-            out = hex32(digest, out);
-            digest += 32;
+            out = hex32(p, out);
+            p += 32;
             at = hole + 1;
         }
-        p += PACKED_HEAD + 32 * holes;
-        left -= PACKED_HEAD + 32 * holes;
-        *out++ = left > 0 ? ',' : ']';
+        *out++ = p < end_of_payload ? ',' : ']';
     }
     return out;
 }
@@ -629,7 +636,7 @@ KeyTable_join_prefix(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_LookupError, "a matched key has no payload");
             goto done;
         }
-        Py_ssize_t size = array_size(self, payload);
+        Py_ssize_t size = array_size(self->identity, self->skeletons, payload);
         if (size < 0) {
             goto done;
         }
@@ -652,7 +659,7 @@ KeyTable_join_prefix(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
         if (k) {
             APPEND(PyBytes_AS_STRING(sep), sep_len);
         }
-        p = render_array(self, found[k]->payload, p);
+        p = render_array(self->identity, self->skeletons, found[k]->payload, p);
     }
     APPEND(PyBytes_AS_STRING(args[4]), PyBytes_GET_SIZE(args[4]));
 #undef APPEND
@@ -841,7 +848,31 @@ untrack(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* render_array(identity, payload, skeletons): one block's JSON array, as join_prefix renders
+ * it (for answers assembled in Python: those with estimates). */
+static PyObject *
+render_array_of(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyBytes_CheckExact(args[0]) || !PyBytes_CheckExact(args[1])
+        || !PyList_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "render_array(identity, payload, skeletons) takes bytes, bytes, list");
+        return NULL;
+    }
+    Py_ssize_t size = array_size(args[0], args[2], args[1]);
+    if (size < 0) {
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, size);
+    if (out != NULL) {
+        render_array(args[0], args[2], args[1], PyBytes_AS_STRING(out));
+    }
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
+    {"render_array", (PyCFunction)(void (*)(void))render_array_of, METH_FASTCALL,
+     "One block's JSON array from its packed records, as join_prefix renders it."},
     {"untrack", (PyCFunction)(void (*)(void))untrack, METH_FASTCALL,
      "Take objects that are never part of a reference cycle out of the garbage collector."},
     {"is_hex", (PyCFunction)is_hex, METH_O,

@@ -12,9 +12,10 @@ from the skeletons listed in the list the table was made with (``Skeletons.liste
 read at each join); ``prefix`` and ``join_prefix`` stop at the first key not held;
 ``pack_keys`` turns a request's raw JSON array of keys into packed keys, or answers None for
 anything it does not take as it is (the caller then decodes it the slow way, which says what is
-wrong): the fallback always answers None. ``untrack`` takes objects that are never part of a
-reference cycle out of the cyclic collector, so its full collections do not walk millions of
-stored records (decision 0025); the fallback leaves them tracked.
+wrong): the fallback always answers None. ``render_array`` renders one block's payload as
+``join_prefix`` does, for answers assembled in Python. ``untrack`` takes objects that are
+never part of a reference cycle out of the cyclic collector, so its full collections do not
+walk millions of stored records (decision 0025); the fallback leaves them tracked.
 """
 
 from __future__ import annotations
@@ -23,9 +24,18 @@ import re
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
-from kvsp.index.packed import render_array
+from kvsp.index import packed
 
-__all__ = ["COMPILED", "DictKeyTable", "KeyTable", "check_keys", "is_hex", "pack_keys", "untrack"]
+__all__ = [
+    "COMPILED",
+    "DictKeyTable",
+    "KeyTable",
+    "check_keys",
+    "is_hex",
+    "pack_keys",
+    "render_array",
+    "untrack",
+]
 
 V = TypeVar("V")
 _KEY = re.compile(r"[0-9a-f]{64}")
@@ -97,7 +107,7 @@ class DictKeyTable(Generic[V]):
         for _, payload in self._leading(keys):
             if payload is None:
                 raise LookupError("a matched key has no payload")
-            arrays.append(render_array(self._identity, payload, self._skeletons))
+            arrays.append(packed.render_array(self._identity, payload, self._skeletons))
         matched = len(arrays)
         return matched, b"%s%d%s%s%s" % (head, matched, middle, sep.join(arrays), tail)
 
@@ -126,7 +136,14 @@ def _untrack(*objects: object) -> None:
 
 
 try:
-    from kvsp.index._keytable import KeyTable, check_keys, is_hex, pack_keys, untrack
+    from kvsp.index._keytable import (
+        KeyTable,
+        check_keys,
+        is_hex,
+        pack_keys,
+        render_array,
+        untrack,
+    )
 
     COMPILED = True
 except ImportError:  # built without a C compiler
@@ -135,4 +152,5 @@ except ImportError:  # built without a C compiler
     is_hex = _is_hex
     pack_keys = _pack_keys
     untrack = _untrack
+    render_array = packed.render_array
     COMPILED = False

@@ -26,7 +26,7 @@ from kvsp.core.clock import Clock
 from kvsp.core.cost import ReplicaSummary
 from kvsp.core.problems import CapacityExhausted
 from kvsp.core.records import ReplicaRecord, ReplicaRef
-from kvsp.index.keytable import KeyTable, untrack
+from kvsp.index.keytable import KeyTable, render_array, untrack
 from kvsp.index.packed import Skeletons, block_key_of
 from kvsp.index.rules import IndexLimits
 from kvsp.index.wire import (
@@ -43,6 +43,7 @@ from kvsp.index.wire import (
 )
 
 __all__ = [
+    "Block",
     "BlockReplicas",
     "PublishOutcome",
     "ReplicaTable",
@@ -119,30 +120,44 @@ class StoredReplica:
             self.summary = ReplicaSummary.of(ReplicaRecord.parse(record))
         return self.summary
 
+    # A block with one replica (most blocks) is held and answered as that replica: a lookup
+    # then makes no object per block, and the store holds none (``Block``).
+    @property
+    def replicas(self) -> tuple[StoredReplica, ...]:
+        return (self,)
 
-#: what a key table holds for a block: its replica, or a tuple of its two or more
-Held = StoredReplica | tuple[StoredReplica, ...]
+    def rendered(self) -> bytes:
+        return _array(self.replicas)
+
+
+def _array(replicas: tuple[StoredReplica, ...]) -> bytes:
+    """A block's JSON array, as a lookup serves it: rendered from the packed records as the
+    key table renders them, or joined from the tails."""
+    first = replicas[0]
+    skeletons = first.packed_by
+    if skeletons is not None:
+        packed = b"".join(r.packed for r in replicas)
+        return render_array(identity_middle(first.space), packed, skeletons.listed)
+    return join_array(identity_prefix(first.space, first.block_key), [r.tail for r in replicas])
 
 
 class BlockReplicas:
-    """The live replicas of one block."""
+    """The live replicas of one block (two or more as a store holds them; any number while it
+    changes them)."""
 
     __slots__ = ("replicas",)
 
-    def __init__(self, replicas: Held) -> None:
-        self.replicas = replicas if isinstance(replicas, tuple) else (replicas,)
+    def __init__(self, replicas: tuple[StoredReplica, ...]) -> None:
+        self.replicas = replicas
 
     @property
-    def held(self) -> Held:
-        """What the key table holds for this block (most blocks have one replica: no tuple)."""
+    def held(self) -> Block:
+        """What the key table holds for this block: its one replica, or this."""
         replicas = self.replicas
-        return replicas[0] if len(replicas) == 1 else replicas
+        return replicas[0] if len(replicas) == 1 else self
 
     def rendered(self) -> bytes:
-        """The block's JSON array, as a lookup serves it."""
-        first = self.replicas[0]
-        prefix = identity_prefix(first.space, first.block_key)
-        return join_array(prefix, [r.tail for r in self.replicas])
+        return _array(self.replicas)
 
     def find(self, holder: str) -> StoredReplica | None:
         for replica in self.replicas:
@@ -168,12 +183,16 @@ class BlockReplicas:
         return gone
 
 
-def arrays_of(blocks: Sequence[BlockReplicas]) -> list[bytes]:
+#: what a lookup answers for each matched block, and what a key table holds for it
+Block = StoredReplica | BlockReplicas
+
+
+def arrays_of(blocks: Sequence[Block]) -> list[bytes]:
     """The JSON arrays of the blocks, for ``answer_json``."""
     return [b.rendered() for b in blocks]
 
 
-def holder_runs(blocks: Sequence[BlockReplicas]) -> list[tuple[str, int]]:
+def holder_runs(blocks: Sequence[Block]) -> list[tuple[str, int]]:
     """Each holder of the first block with the number of leading blocks it holds, most first
     (then by URL): what a router weighs, without the records."""
     runs: dict[str, int] = {}
@@ -203,7 +222,7 @@ class ReplicaTable:
         self._limits = limits
         self._render = render_at_publish
         # (compat, scope) -> block_key -> replicas: a lookup resolves its space once.
-        self._spaces: dict[Space, KeyTable[Held]] = {}
+        self._spaces: dict[Space, KeyTable[Block]] = {}
         self._deadlines: list[StoredReplica] = []
         untrack(self._deadlines)
         self._summaries: dict[ReplicaSummary, ReplicaSummary] = {}
@@ -223,10 +242,9 @@ class ReplicaTable:
         self.expire()
         return dict(self._by_scope)
 
-    def _block(self, space: Space, block_key: str) -> BlockReplicas | None:
+    def _block(self, space: Space, block_key: str) -> Block | None:
         blocks = self._spaces.get(space)
-        held = None if blocks is None else blocks.get(block_key)
-        return None if held is None else BlockReplicas(held)
+        return None if blocks is None else blocks.get(block_key)
 
     def publish(self, record: ReplicaRecord) -> PublishOutcome:
         """Store or refresh (same record, new deadline) one record; 507 past the limit."""
@@ -245,7 +263,7 @@ class ReplicaTable:
             for r in records:
                 holder = r.publisher
                 block = self._block((r.compat_id, r.scope_id), r.block_key)
-                if block is None or block.find(holder) is None:
+                if block is None or all(r.holder != holder for r in block.replicas):
                     new.add((r.compat_id, r.scope_id, r.block_key, holder))
             self._limits.check_room(self._count, (n[1] for n in new), lambda s: held(s, 0))
         return [self._store(record, now) for record in records]
@@ -267,7 +285,7 @@ class ReplicaTable:
             built = ReplicaSummary.of(record)
             summary = self._summary_of[summary_key] = self._summaries.setdefault(built, built)
         held = blocks.get(record.block_key)
-        block = BlockReplicas(() if held is None else held)
+        block = BlockReplicas(() if held is None else held.replicas)
         holder = sys.intern(record.publisher)
         if self._render:
             packed = self._skeletons.pack(record.block_key, record_tail(record, ttl))
@@ -290,12 +308,11 @@ class ReplicaTable:
             self._compact()
         return PublishOutcome(created, ttl)
 
-    def _set(self, blocks: KeyTable[Held], key: str, block: BlockReplicas) -> None:
+    def _set(self, blocks: KeyTable[Block], key: str, block: BlockReplicas) -> None:
         """(Re)enter a changed block's replicas with their records packed, which lookups
-        render. The table holds the replica itself, or a tuple of them: a ``BlockReplicas``
-        is made only to change or to answer a block (96 octets fewer a block)."""
+        render. A block of one replica is held as the replica (96 octets fewer a block)."""
         replicas = block.replicas
-        untrack(replicas, *replicas)
+        untrack(block, replicas, *replicas)
         if self._render:  # one record: the payload is its packed octets, not a copy
             blocks.put(key, block.held, b"".join(r.packed for r in replicas))
         else:
@@ -310,7 +327,7 @@ class ReplicaTable:
         held = None if blocks is None else blocks.get(block_key)
         if blocks is None or held is None:
             return False
-        block = BlockReplicas(held)
+        block = BlockReplicas(held.replicas)
         gone = block.remove(holder)
         if gone is None:
             return False
@@ -339,7 +356,7 @@ class ReplicaTable:
             block_key = due.block_key
             block = self._block(due.space, block_key)
             # a refresh replaced the replica object: this heap entry is stale
-            if block is not None and block.find(due.holder) is due:
+            if block is not None and due in block.replicas:
                 self._remove(due.space, block_key, due.holder)
                 self.expired_total += 1
         return now
@@ -348,23 +365,21 @@ class ReplicaTable:
         self._deadlines = [
             replica
             for blocks in self._spaces.values()
-            for held in blocks.values()
-            for replica in BlockReplicas(held).replicas
+            for block in blocks.values()
+            for replica in block.replicas
         ]
         untrack(self._deadlines)
         heapq.heapify(self._deadlines)
 
-    def lookup(self, compat: str, scope: str, block_keys: Sequence[str]) -> list[BlockReplicas]:
+    def lookup(self, compat: str, scope: str, block_keys: Sequence[str]) -> list[Block]:
         """Replicas of the leading keys that have any, stopping at the first key without one."""
         self.expire()
         blocks = self._spaces.get((compat, scope))
-        if blocks is None:
-            return []
-        return [BlockReplicas(held) for held in blocks.prefix(probed(block_keys))]
+        return [] if blocks is None else blocks.prefix(probed(block_keys))
 
     def answer(self, compat: str, scope: str, block_keys: Sequence[str]) -> tuple[int, bytes]:
         """The matched count and the whole lookup answer without estimates, as ``answer_json``
-        renders it, assembled from the blocks' cached arrays in one copy."""
+        renders it, rendered from the blocks' packed records in one allocation."""
         self.expire()
         blocks = self._spaces.get((compat, scope))
         if blocks is None:
@@ -372,3 +387,14 @@ class ReplicaTable:
         return blocks.join_prefix(
             probed(block_keys), ANSWER_HEAD, ANSWER_MIDDLE, b",", ANSWER_END + b"]}"
         )
+
+    def answered(
+        self, compat: str, scope: str, block_keys: Sequence[str], estimates: bytes
+    ) -> bytes:
+        """The answer to a ``lookup`` just made, with its estimates: nothing expires first, so
+        it holds the blocks that lookup found."""
+        blocks = self._spaces.get((compat, scope))
+        if blocks is None:
+            return answer_json((), estimates)
+        tail = b"%s%s]}" % (ANSWER_END, estimates)
+        return blocks.join_prefix(probed(block_keys), ANSWER_HEAD, ANSWER_MIDDLE, b",", tail)[1]

@@ -29,7 +29,7 @@ from kvsp.core.records import (
     ReplicaRef,
 )
 from kvsp.index.queries import LookupQuery
-from kvsp.index.replicas import PublishOutcome, arrays_of, holder_runs
+from kvsp.index.replicas import PublishOutcome, holder_runs
 from kvsp.index.rules import (
     DESCRIPTOR_ROLES,
     authorize_lookup,
@@ -39,7 +39,7 @@ from kvsp.index.rules import (
 )
 from kvsp.index.statuses import estimate_targets
 from kvsp.index.stores import ReplicaStore
-from kvsp.index.wire import answer_json, batch_json, holders_json
+from kvsp.index.wire import batch_json, holders_json
 
 __all__ = ["IndexMetrics", "IndexService"]
 
@@ -219,7 +219,7 @@ class IndexService:
             estimates = ",".join(e.model_dump_json(exclude_none=True) for e in made).encode()
         if query.answer == "holders":
             return holders_json(holder_runs(blocks), estimates)
-        return answer_json(arrays_of(blocks), estimates)
+        return result.answered(estimates)
 
     async def put_status(self, principal: Principal, status: InstanceStatusRecord) -> None:
         authorize_status(principal, status)

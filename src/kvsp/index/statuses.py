@@ -13,7 +13,7 @@ from kvsp.core.cost import FetchPlanner, recompute_us
 from kvsp.core.problems import CapacityExhausted, StaleEpoch
 from kvsp.core.records import InstanceStatusRecord, TargetEstimate
 from kvsp.core.urls import canonical_url
-from kvsp.index.replicas import BlockReplicas
+from kvsp.index.replicas import Block
 from kvsp.index.rules import IndexLimits
 
 __all__ = ["STATUS_RETENTION_MS", "StatusTable", "estimate_targets"]
@@ -76,7 +76,7 @@ class StatusTable:
 def estimate_targets(
     targets: Sequence[str],
     statuses: Mapping[str, InstanceStatusRecord],
-    matched: Sequence[BlockReplicas],
+    matched: Sequence[Block],
     block_tokens: int | None,
 ) -> list[TargetEstimate]:
     """``fetch_us`` and ``recompute_us`` for each target the IS knows (KVSP 6.2, 6.4).

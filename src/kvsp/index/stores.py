@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -43,6 +43,7 @@ from kvsp.core.records import InstanceStatusRecord, ReplicaRecord, ReplicaRef
 from kvsp.core.urls import canonical_url
 from kvsp.index.packed import Skeletons
 from kvsp.index.replicas import (
+    Block,
     BlockReplicas,
     PublishOutcome,
     ReplicaTable,
@@ -67,10 +68,13 @@ log = logging.getLogger("kvsp.index")
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
-    """Replicas of the matched prefix and the targets' statuses."""
+    """Replicas of the matched prefix, the targets' statuses, and the whole answer for given
+    estimates (``answer_json``'s octets, as the store renders them: call it before the next
+    await, while the matched blocks are as they were)."""
 
-    matched: list[BlockReplicas]
+    matched: list[Block]
     statuses: dict[str, InstanceStatusRecord]
+    answered: Callable[[bytes], bytes]
 
 
 class ReplicaStore(Protocol):
@@ -137,7 +141,12 @@ class MemoryReplicaStore:
             status = self.statuses.get(target)
             if status is not None:
                 statuses[canonical_url(target)] = status
-        return LookupResult(matched, statuses)
+        table = self.table
+        return LookupResult(
+            matched,
+            statuses,
+            lambda estimates: table.answered(compat, scope, block_keys, estimates),
+        )
 
     async def answer(self, compat: str, scope: str, block_keys: Sequence[str]) -> tuple[int, bytes]:
         return self.table.answer(compat, scope, block_keys)
@@ -347,7 +356,7 @@ class RedisReplicaStore:
         results = await self._run(pipe)
         seconds, micros = results[0]
         now = int(seconds) * 1000 + int(micros) // 1000
-        matched: list[BlockReplicas] = []
+        matched: list[Block] = []
         space = (compat, scope)
         skeletons = Skeletons()  # the replicas answer as the memory store's do
         for block_key, fields in zip(block_keys, results[1 : 1 + len(block_keys)], strict=True):
@@ -371,7 +380,9 @@ class RedisReplicaStore:
         for target, (record, deadline) in zip(targets, results[1 + len(block_keys) :], strict=True):
             if record is not None and deadline is not None and int(deadline) > now:
                 statuses[canonical_url(target)] = InstanceStatusRecord.parse(record)
-        return LookupResult(matched, statuses)
+        return LookupResult(
+            matched, statuses, lambda estimates: answer_json(arrays_of(matched), estimates)
+        )
 
     async def answer(self, compat: str, scope: str, block_keys: Sequence[str]) -> tuple[int, bytes]:
         matched = (await self.lookup(compat, scope, block_keys, ())).matched
