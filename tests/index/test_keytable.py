@@ -313,3 +313,91 @@ print("ok")
         [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=False
     )
     assert done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+#: each implementation of a stored replica, with the table that takes it as a payload
+REPLICAS: dict[str, tuple[Any, Any]] = {"fallback": (keytable.SlotsReplica, DictKeyTable)}
+if COMPILED:
+    REPLICAS["compiled"] = (keytable.StoredReplica, KeyTable)
+replicas = pytest.mark.parametrize("impl", sorted(REPLICAS))
+SPACE = ("compat", "scope")
+
+
+class Record:
+    """An unpacked record, as the simulator stores it: all a replica reads is its block key."""
+
+    def __init__(self, block_key: str) -> None:
+        self.block_key = block_key
+
+
+@replicas
+def test_a_packed_replica_holds_its_fields_and_octets(impl: str) -> None:
+    summary = object()
+    octets = packed(3)
+    replica = REPLICAS[impl][0](SPACE, "http://h", 1_000, octets, summary, SKELETONS)
+    assert (replica.space, replica.holder, replica.expires_at) == (SPACE, "http://h", 1_000)
+    assert replica.summary is summary
+    assert replica.packed == octets
+    assert replica.packed_by is SKELETONS
+    assert replica.record is None
+    assert replica.block_key == key(3)
+    assert replica.replicas == (replica,)
+    replica.summary = None  # the only member a store may change
+    assert replica.summary is None
+
+
+@replicas
+def test_an_unpacked_replica_answers_its_records_key_and_no_octets(impl: str) -> None:
+    record = Record(key(4))
+    replica = REPLICAS[impl][0](SPACE, "http://h", 5, record)
+    assert replica.record is record
+    assert replica.packed_by is None
+    assert replica.summary is None
+    assert replica.block_key == key(4)
+    with pytest.raises(LookupError, match="not packed"):
+        _ = replica.packed
+
+
+@replicas
+def test_a_replica_refuses_octets_without_skeletons_and_short_records(impl: str) -> None:
+    made = REPLICAS[impl][0]
+    with pytest.raises(TypeError, match="skeletons"):
+        made(SPACE, "http://h", 1, packed(1))
+    with pytest.raises(TypeError, match="skeletons"):
+        made(SPACE, "http://h", 1, Record(key(1)), None, SKELETONS)
+    with pytest.raises(ValueError, match="skeleton number and a key"):
+        made(SPACE, "http://h", 1, packed(1)[:35], None, SKELETONS)
+
+
+@replicas
+def test_replicas_are_ordered_by_deadline(impl: str) -> None:
+    made = REPLICAS[impl][0]
+    early, late = (made(SPACE, "h", t, Record(key(t))) for t in (1, 2))
+    assert early < late
+    assert not late < early
+    assert sorted([late, early]) == [early, late]
+
+
+@replicas
+def test_a_packed_replica_is_a_payload_as_its_octets_are(impl: str) -> None:
+    made, table_type = REPLICAS[impl]
+    by_octets, by_replica = (table_type(IDENTITY, SKELETONS.listed) for _ in range(2))
+    replica = made(SPACE, "http://h", 1, packed(8, key(0)), None, SKELETONS)
+    by_octets.put(key(0), 0, packed(8, key(0)))
+    by_replica.put(key(0), 0, replica)
+    assert frame(by_replica, [key(0)]) == frame(by_octets, [key(0)])
+    assert frame(by_replica, [key(0)]) == (1, b"<1|%s>" % array(key(0), 8))
+    with pytest.raises(TypeError, match="payload"):
+        by_replica.put(key(1), 1, made(SPACE, "http://h", 1, Record(key(1))))
+    assert len(by_replica) == 1
+
+
+@pytest.mark.skipif(not COMPILED, reason="built without a C compiler")
+def test_a_compiled_plain_replica_takes_128_octets_and_no_collector_time() -> None:
+    """Decision 0026: a record with its digest and no layer digests (68 packed octets) in
+    one object."""
+    replica = keytable.StoredReplica(SPACE, "h", 1, packed(1), None, SKELETONS)
+    assert sys.getsizeof(replica) == 128
+    assert not gc.is_tracked(replica)
+    with pytest.raises(AttributeError):
+        replica.expires_at = 2_000  # read-only: a deadline moves by a new replica

@@ -14,7 +14,7 @@ from kvsp.core.clock import ManualClock
 from kvsp.core.problems import CapacityExhausted
 from kvsp.core.records import ReplicaRecord
 from kvsp.index.keytable import COMPILED
-from kvsp.index.replicas import ReplicaTable, holder_runs
+from kvsp.index.replicas import ReplicaTable, array_of, holder_runs
 from kvsp.index.rules import (
     IndexLimits,
 )
@@ -67,7 +67,7 @@ def test_records_of_every_holder_are_returned(table: ReplicaTable, clock: Manual
     table.publish(replica(0, holder=H1))
     table.publish(replica(0, holder=H2))
     found = table.lookup(COMPAT, SCOPE_A, keys(0))
-    assert sorted(r["holder"] for r in json.loads(found[0].rendered())) == [H1, H2]
+    assert sorted(r["holder"] for r in json.loads(array_of(found[0]))) == [H1, H2]
 
 
 def test_a_block_array_stays_right_as_its_replicas_change(table: ReplicaTable) -> None:
@@ -78,7 +78,7 @@ def test_a_block_array_stays_right_as_its_replicas_change(table: ReplicaTable) -
     table.publish(replica(0, holder=I1, ttl_ms=5_000))  # refreshed: moves to the end
     table.publish(replica(0, holder=H2, ttl_ms=2_000))
     (block,) = table.lookup(COMPAT, SCOPE_A, keys(0))
-    served = [ReplicaRecord.parse(r) for r in json.loads(block.rendered())]
+    served = [ReplicaRecord.parse(r) for r in json.loads(array_of(block))]
     assert [(r.holder, r.ttl_ms) for r in served] == [
         (H1, 1_000),
         (I2, 1_003),
@@ -97,7 +97,7 @@ def test_served_json_is_the_record_with_the_granted_ttl(
     table.publish(record)
     clock.advance(1_200)
     found = table.lookup(COMPAT, SCOPE_A, keys(0))
-    served = json.loads(found[0].rendered())
+    served = json.loads(array_of(found[0]))
     assert [ReplicaRecord.parse(r) for r in served] == [
         record.model_copy(update={"ttl_ms": 10_000})
     ]
@@ -144,7 +144,7 @@ def test_withdraw(table: ReplicaTable) -> None:
     assert table.withdraw(ref(0, holder=H1))
     assert not table.withdraw(ref(0, holder=H1))
     found = table.lookup(COMPAT, SCOPE_A, keys(0))
-    assert [r["holder"] for r in json.loads(found[0].rendered())] == [H2]
+    assert [r["holder"] for r in json.loads(array_of(found[0]))] == [H2]
     assert table.counts_by_scope() == {SCOPE_A: 1}
 
 
@@ -229,7 +229,7 @@ def test_a_skeleton_goes_with_the_last_record_that_uses_it(
         table.withdraw(ref(n, holder=H2))
     assert len(table._skeletons) == 1
     (block,) = table.lookup(COMPAT, SCOPE_A, keys(7))
-    assert [ReplicaRecord.parse(r) for r in json.loads(block.rendered())] == [
+    assert [ReplicaRecord.parse(r) for r in json.loads(array_of(block))] == [
         replica(7, ttl_ms=2_000)
     ]
     clock.advance(2_000)

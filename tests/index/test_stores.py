@@ -14,7 +14,7 @@ from kvsp.core.clock import SystemClock
 from kvsp.core.problems import CapacityExhausted, ServiceUnavailable, StaleEpoch
 from kvsp.core.records import LookupRequest, LookupResponse
 from kvsp.index.queries import decode_lookup
-from kvsp.index.replicas import arrays_of
+from kvsp.index.replicas import array_of, arrays_of, summary_of
 from kvsp.index.rules import IndexLimits
 from kvsp.index.service import IndexService
 from kvsp.index.stores import MemoryReplicaStore, RedisReplicaStore, ReplicaStore, open_store
@@ -63,7 +63,7 @@ async def test_prefix_lookup(store: ReplicaStore) -> None:
     result = await store.lookup(COMPAT, SCOPE_A, keys(0, 1, 2, 3), [])
     assert [len(r.replicas) for r in result.matched] == [2, 1]
     assert (await store.lookup(COMPAT, SCOPE_B, keys(0), [])).matched == []
-    (served,) = json.loads(result.matched[1].rendered())
+    (served,) = json.loads(array_of(result.matched[1]))
     assert served["block_key"] == key(1)
     assert served["ttl_ms"] == 2_000
 
@@ -182,7 +182,7 @@ async def test_statuses(store: ReplicaStore) -> None:
 async def test_summaries_survive_the_store(store: ReplicaStore) -> None:
     await store.publish([replica(0, holder="HTTP://127.0.0.1:9101/kvsp")])
     result = await store.lookup(COMPAT, SCOPE_A, keys(0), [])
-    summary = result.matched[0].replicas[0].get_summary()
+    summary = summary_of(result.matched[0].replicas[0])
     assert summary.holder == H1
     assert summary.complete
 

@@ -17,7 +17,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stddef.h>
 #include <string.h>
+#include <structmember.h>
 #include <sys/mman.h>
 
 typedef struct {
@@ -25,6 +27,46 @@ typedef struct {
     PyObject *value;   /* NULL marks an empty slot */
     PyObject *payload; /* owned, Py_None when absent */
 } Slot;
+
+/* A stored replica of the memory store: its deadline, space, holder, cost summary and record,
+ * in one object of no more than its fields. Held as Python objects (a class with slots, its
+ * packed octets as bytes, its deadline as an int) a plain record took 224 octets; this takes
+ * 128 (decision 0026). The record is packed (packed.py: a skeleton's number, the block key's
+ * and the digests' octets, inline) with origin the Skeletons that packed it, or, in a store
+ * that renders nothing (size 0), origin is the record itself. Not tracked by the cyclic
+ * collector: nothing it references leads back to it (decision 0025). */
+typedef struct {
+    PyObject_HEAD
+    long long expires_at;
+    PyObject *space;   /* owned */
+    PyObject *holder;  /* owned */
+    PyObject *summary; /* owned, NULL until known */
+    PyObject *origin;  /* owned */
+    uint32_t size;     /* octets of data; 0 when the record is not packed */
+    unsigned char data[];
+} Replica;
+
+static PyTypeObject ReplicaType;
+
+/* A payload's packed octets: a bytes object's, or a packed replica's own (a block of one
+ * replica is held as that replica, its payload the replica itself). */
+static inline const unsigned char *
+payload_octets(PyObject *payload, Py_ssize_t *size)
+{
+    if (Py_IS_TYPE(payload, &ReplicaType)) {
+        *size = ((Replica *)payload)->size;
+        return ((Replica *)payload)->data;
+    }
+    *size = PyBytes_GET_SIZE(payload);
+    return (const unsigned char *)PyBytes_AS_STRING(payload);
+}
+
+static inline int
+is_payload(PyObject *payload)
+{
+    return PyBytes_CheckExact(payload)
+           || (Py_IS_TYPE(payload, &ReplicaType) && ((Replica *)payload)->size > 0);
+}
 
 typedef struct {
     PyObject_HEAD
@@ -276,8 +318,8 @@ KeyTable_put(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "a KeyTable value cannot be None");
         return NULL;
     }
-    if (payload != Py_None && !PyBytes_CheckExact(payload)) {
-        PyErr_SetString(PyExc_TypeError, "payload must be bytes or None");
+    if (payload != Py_None && !is_payload(payload)) {
+        PyErr_SetString(PyExc_TypeError, "payload must be bytes, a packed StoredReplica or None");
         return NULL;
     }
     uint64_t key[4];
@@ -537,10 +579,9 @@ skeleton_at(PyObject *skeletons, const unsigned char *p, Py_ssize_t left, Py_ssi
 
 /* The length of the JSON array rendered from a payload, or -1 with ValueError set. */
 static Py_ssize_t
-array_size(PyObject *identity, PyObject *skeletons, PyObject *payload)
+array_size(PyObject *identity, PyObject *skeletons, const unsigned char *p, Py_ssize_t left)
 {
-    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(payload);
-    Py_ssize_t left = PyBytes_GET_SIZE(payload), size = 1, records = 0;
+    Py_ssize_t size = 1, records = 0;
     Py_ssize_t opened = RECORD_OPEN_LEN + 64 + PyBytes_GET_SIZE(identity);
     while (left > 0) {
         Py_ssize_t holes;
@@ -562,10 +603,10 @@ array_size(PyObject *identity, PyObject *skeletons, PyObject *payload)
 
 /* Render a payload array_size accepted: '[' + each record's JSON joined by ',' + ']'. */
 static char *
-render_array(PyObject *identity, PyObject *skeletons, PyObject *payload, char *out)
+render_array(PyObject *identity, PyObject *skeletons, const unsigned char *p, Py_ssize_t left,
+             char *out)
 {
-    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(payload);
-    const unsigned char *end_of_payload = p + PyBytes_GET_SIZE(payload);
+    const unsigned char *end_of_payload = p + left;
     Py_ssize_t identity_len = PyBytes_GET_SIZE(identity);
     *out++ = '[';
     while (p < end_of_payload) {
@@ -636,7 +677,9 @@ KeyTable_join_prefix(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_LookupError, "a matched key has no payload");
             goto done;
         }
-        Py_ssize_t size = array_size(self->identity, self->skeletons, payload);
+        Py_ssize_t octets;
+        const unsigned char *packed = payload_octets(payload, &octets);
+        Py_ssize_t size = array_size(self->identity, self->skeletons, packed, octets);
         if (size < 0) {
             goto done;
         }
@@ -659,7 +702,9 @@ KeyTable_join_prefix(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
         if (k) {
             APPEND(PyBytes_AS_STRING(sep), sep_len);
         }
-        p = render_array(self->identity, self->skeletons, found[k]->payload, p);
+        Py_ssize_t octets;
+        const unsigned char *packed = payload_octets(found[k]->payload, &octets);
+        p = render_array(self->identity, self->skeletons, packed, octets, p);
     }
     APPEND(PyBytes_AS_STRING(args[4]), PyBytes_GET_SIZE(args[4]));
 #undef APPEND
@@ -716,6 +761,152 @@ static PyTypeObject KeyTableType = {
     .tp_clear = (inquiry)KeyTable_clear,
     .tp_as_sequence = &KeyTable_as_sequence,
     .tp_methods = KeyTable_methods,
+};
+
+/* StoredReplica(space, holder, expires_at, record, summary=None, packed_by=None): record is the
+ * packed octets (and packed_by the Skeletons that packed them) or, unpacked, any object with a
+ * block_key (and packed_by None). */
+static PyObject *
+Replica_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"space", "holder", "expires_at", "record", "summary", "packed_by",
+                             NULL};
+    PyObject *space, *holder, *record, *summary = Py_None, *packed_by = Py_None;
+    long long expires_at;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OULO|OO:StoredReplica", kwlist, &space,
+                                     &holder, &expires_at, &record, &summary, &packed_by)) {
+        return NULL;
+    }
+    int packed = PyBytes_Check(record);
+    if (packed == (packed_by == Py_None)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "a packed record comes with its skeletons, and only a packed one");
+        return NULL;
+    }
+    Py_ssize_t size = packed ? PyBytes_GET_SIZE(record) : 0;
+    if (packed && (size < PACKED_HEAD || size > UINT32_MAX)) {
+        PyErr_SetString(PyExc_ValueError, "a packed record holds a skeleton number and a key");
+        return NULL;
+    }
+    Replica *self = PyObject_Malloc(offsetof(Replica, data) + (size_t)size);
+    if (self == NULL) {
+        return PyErr_NoMemory();
+    }
+    PyObject_Init((PyObject *)self, type);
+    self->expires_at = expires_at;
+    self->space = Py_NewRef(space);
+    self->holder = Py_NewRef(holder);
+    self->summary = summary == Py_None ? NULL : Py_NewRef(summary);
+    self->origin = Py_NewRef(packed ? packed_by : record);
+    self->size = (uint32_t)size;
+    if (packed) {
+        memcpy(self->data, PyBytes_AS_STRING(record), (size_t)size);
+    }
+    return (PyObject *)self;
+}
+
+static void
+Replica_dealloc(Replica *self)
+{
+    Py_DECREF(self->space);
+    Py_DECREF(self->holder);
+    Py_XDECREF(self->summary);
+    Py_DECREF(self->origin);
+    PyObject_Free(self);
+}
+
+static PyObject *
+Replica_richcompare(PyObject *a, PyObject *b, int op)
+{
+    if (op != Py_LT || !Py_IS_TYPE(a, &ReplicaType) || !Py_IS_TYPE(b, &ReplicaType)) {
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    return PyBool_FromLong(((Replica *)a)->expires_at < ((Replica *)b)->expires_at);
+}
+
+static PyObject *
+Replica_packed(Replica *self, void *Py_UNUSED(closure))
+{
+    if (self->size == 0) {
+        PyErr_SetString(PyExc_LookupError, "this replica is not packed");
+        return NULL;
+    }
+    return PyBytes_FromStringAndSize((const char *)self->data, self->size);
+}
+
+static PyObject *
+Replica_packed_by(Replica *self, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(self->size ? self->origin : Py_None);
+}
+
+static PyObject *
+Replica_record(Replica *self, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(self->size ? Py_None : self->origin);
+}
+
+static PyObject *
+Replica_block_key(Replica *self, void *Py_UNUSED(closure))
+{
+    if (self->size == 0) {
+        return PyObject_GetAttrString(self->origin, "block_key");
+    }
+    PyObject *key = PyUnicode_New(64, 127);
+    if (key != NULL) {
+        hex32(self->data + 4, (char *)PyUnicode_1BYTE_DATA(key));
+    }
+    return key;
+}
+
+static PyObject *
+Replica_replicas(Replica *self, void *Py_UNUSED(closure))
+{
+    return PyTuple_Pack(1, (PyObject *)self);
+}
+
+static PyObject *
+Replica_sizeof(Replica *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromSize_t(offsetof(Replica, data) + self->size);
+}
+
+static PyMemberDef Replica_members[] = {
+    {"expires_at", T_LONGLONG, offsetof(Replica, expires_at), READONLY,
+     "The deadline, on the store's clock (ms)."},
+    {"space", T_OBJECT, offsetof(Replica, space), READONLY, "(compat_id, scope_id)."},
+    {"holder", T_OBJECT, offsetof(Replica, holder), READONLY, "The holder's canonical URL."},
+    {"summary", T_OBJECT, offsetof(Replica, summary), 0,
+     "The cost summary, or None until it is parsed."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef Replica_getset[] = {
+    {"packed", (getter)Replica_packed, NULL, "The packed record (LookupError if unpacked).", NULL},
+    {"packed_by", (getter)Replica_packed_by, NULL, "The Skeletons that packed it, or None.", NULL},
+    {"record", (getter)Replica_record, NULL, "The unpacked record, or None if packed.", NULL},
+    {"block_key", (getter)Replica_block_key, NULL, "The block key (64 hex digits).", NULL},
+    {"replicas", (getter)Replica_replicas, NULL, "(self,): a block of this one replica.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef Replica_methods[] = {
+    {"__sizeof__", (PyCFunction)Replica_sizeof, METH_NOARGS, "Octets of the object."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ReplicaType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvsp.index._keytable.StoredReplica",
+    .tp_basicsize = offsetof(Replica, data),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One replica record as the memory store holds it; ordered by deadline.",
+    .tp_new = Replica_new,
+    .tp_dealloc = (destructor)Replica_dealloc,
+    .tp_richcompare = Replica_richcompare,
+    .tp_members = Replica_members,
+    .tp_getset = Replica_getset,
+    .tp_methods = Replica_methods,
 };
 
 /* check_keys(keys): ValueError naming the first key that is not 64 lowercase hex digits. */
@@ -853,19 +1044,21 @@ untrack(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 render_array_of(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3 || !PyBytes_CheckExact(args[0]) || !PyBytes_CheckExact(args[1])
+    if (nargs != 3 || !PyBytes_CheckExact(args[0]) || !is_payload(args[1])
         || !PyList_CheckExact(args[2])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "render_array(identity, payload, skeletons) takes bytes, bytes, list");
+        PyErr_SetString(PyExc_TypeError, "render_array(identity, payload, skeletons) takes "
+                                         "bytes, bytes or a packed StoredReplica, list");
         return NULL;
     }
-    Py_ssize_t size = array_size(args[0], args[2], args[1]);
+    Py_ssize_t octets;
+    const unsigned char *packed = payload_octets(args[1], &octets);
+    Py_ssize_t size = array_size(args[0], args[2], packed, octets);
     if (size < 0) {
         return NULL;
     }
     PyObject *out = PyBytes_FromStringAndSize(NULL, size);
     if (out != NULL) {
-        render_array(args[0], args[2], args[1], PyBytes_AS_STRING(out));
+        render_array(args[0], args[2], packed, octets, PyBytes_AS_STRING(out));
     }
     return out;
 }
@@ -911,14 +1104,15 @@ PyInit__keytable(void)
         z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
         secret[i] = (z ^ (z >> 31)) | 1;
     }
-    if (PyType_Ready(&KeyTableType) < 0) {
+    if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&ReplicaType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) {
         return NULL;
     }
-    if (PyModule_AddObjectRef(m, "KeyTable", (PyObject *)&KeyTableType) < 0) {
+    if (PyModule_AddObjectRef(m, "KeyTable", (PyObject *)&KeyTableType) < 0
+        || PyModule_AddObjectRef(m, "StoredReplica", (PyObject *)&ReplicaType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -16,20 +16,30 @@ wrong): the fallback always answers None. ``render_array`` renders one block's p
 ``join_prefix`` does, for answers assembled in Python. ``untrack`` takes objects that are
 never part of a reference cycle out of the cyclic collector, so its full collections do not
 walk millions of stored records (decision 0025); the fallback leaves them tracked.
+``StoredReplica`` is one record as the memory store holds it (decision 0026): compiled, one
+object of 128 octets for a plain record with its packed octets inline, never tracked by the
+collector; the fallback, ``SlotsReplica``, a class with slots and the octets as bytes.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from kvsp.index import packed
+
+if TYPE_CHECKING:
+    from kvsp.core.cost import ReplicaSummary
+    from kvsp.core.records import ReplicaRecord
+    from kvsp.index.packed import Skeletons
 
 __all__ = [
     "COMPILED",
     "DictKeyTable",
     "KeyTable",
+    "SlotsReplica",
+    "StoredReplica",
     "check_keys",
     "is_hex",
     "pack_keys",
@@ -59,6 +69,58 @@ def _keys_of(keys: Sequence[str] | bytes) -> list[str]:
     return [_checked(key) for key in keys]
 
 
+class SlotsReplica:
+    """``_keytable.StoredReplica``'s contract as a class with slots."""
+
+    __slots__ = ("_origin", "_packed", "expires_at", "holder", "space", "summary")
+
+    def __init__(
+        self,
+        space: tuple[str, str],
+        holder: str,
+        expires_at: int,
+        record: bytes | ReplicaRecord,
+        summary: ReplicaSummary | None = None,
+        packed_by: Skeletons | None = None,
+    ) -> None:
+        if isinstance(record, bytes) is (packed_by is None):
+            raise TypeError("a packed record comes with its skeletons, and only a packed one")
+        if isinstance(record, bytes) and len(record) < 36:
+            raise ValueError("a packed record holds a skeleton number and a key")
+        self.space = space
+        self.holder = holder
+        self.expires_at = expires_at
+        self.summary = summary
+        self._packed = record if isinstance(record, bytes) else b""
+        self._origin = packed_by if isinstance(record, bytes) else record
+
+    def __lt__(self, other: SlotsReplica) -> bool:
+        return self.expires_at < other.expires_at
+
+    @property
+    def packed(self) -> bytes:
+        if not self._packed:
+            raise LookupError("this replica is not packed")
+        return self._packed
+
+    @property
+    def packed_by(self) -> Skeletons | None:
+        return self._origin if self._packed else None  # type: ignore[return-value]
+
+    @property
+    def record(self) -> ReplicaRecord | None:
+        return None if self._packed else self._origin  # type: ignore[return-value]
+
+    @property
+    def block_key(self) -> str:
+        record = self.record
+        return packed.block_key_of(self._packed) if record is None else record.block_key
+
+    @property
+    def replicas(self) -> tuple[SlotsReplica, ...]:
+        return (self,)
+
+
 class DictKeyTable(Generic[V]):
     """``_keytable.KeyTable``'s contract over a dict."""
 
@@ -76,12 +138,14 @@ class DictKeyTable(Generic[V]):
         entry = self._entries.get(_checked(key))
         return None if entry is None else entry[0]
 
-    def put(self, key: str, value: V, payload: bytes | None, /) -> None:
+    def put(self, key: str, value: V, payload: bytes | SlotsReplica | None, /) -> None:
         checked = _checked(key)
         if value is None:
             raise ValueError("a KeyTable value cannot be None")
-        if payload is not None and not isinstance(payload, bytes):
-            raise TypeError("payload must be bytes or None")
+        if isinstance(payload, SlotsReplica) and payload.record is None:
+            payload = payload.packed
+        elif payload is not None and not isinstance(payload, bytes):
+            raise TypeError("payload must be bytes, a packed StoredReplica or None")
         self._entries[checked] = (value, payload)
 
     def pop(self, key: str, /) -> V | None:
@@ -138,6 +202,7 @@ def _untrack(*objects: object) -> None:
 try:
     from kvsp.index._keytable import (
         KeyTable,
+        StoredReplica,
         check_keys,
         is_hex,
         pack_keys,
@@ -148,6 +213,7 @@ try:
     COMPILED = True
 except ImportError:  # built without a C compiler
     KeyTable = DictKeyTable  # type: ignore[assignment,misc]
+    StoredReplica = SlotsReplica  # type: ignore[assignment,misc]
     check_keys = _check_keys
     is_hex = _is_hex
     pack_keys = _pack_keys

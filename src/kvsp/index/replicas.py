@@ -7,9 +7,11 @@ packed (``packed.py``: a skeleton shared by like records, and the digests' octet
 shared ``ReplicaSummary`` for estimates. The blocks of a space are held in a ``KeyTable`` (block
 key -> block and its records packed; compiled, or a dict with the same contract), which probes
 all keys of a lookup and renders the answer from the packed records in one allocation, never
-serialising a record. Expiry
-pops a heap of deadlines, so it costs O(expired), never a scan; refreshes leave stale heap
-entries behind, which are skipped when popped and compacted away when they outnumber the live
+serialising a record. Each record is one ``StoredReplica`` (``keytable.py``: compiled, its packed
+octets inline, 128 octets for a plain record; decision 0026), and a block of one replica is
+held as that replica, not a wrapper around it, so most blocks cost one object. Expiry pops a
+heap of deadlines, so it costs O(expired), never a scan; refreshes leave stale heap entries
+behind, which are skipped when popped and compacted away when they outnumber the live
 ones. The heap holds the stored replicas themselves (ordered by deadline), not
 ``core.deadlines.Deadlines``' key map and tuples: those would add well over 100 octets to each of
 millions of records, past the 1 KiB a record may take.
@@ -26,8 +28,8 @@ from kvsp.core.clock import Clock
 from kvsp.core.cost import ReplicaSummary
 from kvsp.core.problems import CapacityExhausted
 from kvsp.core.records import ReplicaRecord, ReplicaRef
-from kvsp.index.keytable import KeyTable, render_array, untrack
-from kvsp.index.packed import Skeletons, block_key_of
+from kvsp.index.keytable import KeyTable, StoredReplica, render_array, untrack
+from kvsp.index.packed import Skeletons
 from kvsp.index.rules import IndexLimits
 from kvsp.index.wire import (
     ANSWER_END,
@@ -48,8 +50,12 @@ __all__ = [
     "PublishOutcome",
     "ReplicaTable",
     "StoredReplica",
+    "array_of",
     "arrays_of",
     "holder_runs",
+    "released",
+    "summary_of",
+    "tail_of",
 ]
 
 
@@ -59,86 +65,40 @@ class PublishOutcome:
     ttl_ms: int
 
 
-class StoredReplica:
-    """One record as stored: where it belongs, its holder (canonical), its deadline on the
-    store's clock, the record packed by ``packed_by`` (``packed.py``: its block key and served
-    JSON's tail) or, where the store renders nothing until asked (the simulator), the record
-    with its granted TTL, and its cost summary (parsed on first use when the store has none).
-    Replicas order by deadline, so the expiry heap holds them directly."""
-
-    __slots__ = ("_record", "expires_at", "holder", "packed_by", "space", "summary")
-
-    def __init__(
-        self,
-        space: Space,
-        holder: str,
-        expires_at: int,
-        record: bytes | ReplicaRecord,
-        summary: ReplicaSummary | None = None,
-        packed_by: Skeletons | None = None,
-    ) -> None:
-        if isinstance(record, bytes) is (packed_by is None):
-            raise TypeError("a packed record comes with its skeletons, and only a packed one")
-        self.space = space
-        self.holder = holder
-        self.expires_at = expires_at
-        self._record = record
-        self.summary = summary
-        self.packed_by = packed_by
-
-    def __lt__(self, other: StoredReplica) -> bool:
-        return self.expires_at < other.expires_at
-
-    @property
-    def block_key(self) -> str:
-        record = self._record
-        return record.block_key if isinstance(record, ReplicaRecord) else block_key_of(record)
-
-    @property
-    def packed(self) -> bytes:
-        """The record as its key table's payload holds it."""
-        if not isinstance(self._record, bytes):
-            raise LookupError("this replica is not packed")
-        return self._record
-
-    @property
-    def tail(self) -> bytes:
-        record = self._record
-        if isinstance(record, ReplicaRecord):
-            return record_tail(record, record.ttl_ms)
-        assert self.packed_by is not None  # a packed record comes with its skeletons
-        return self.packed_by.tail(record)
-
-    def release(self) -> None:
-        """The replica leaves its store: its skeleton is used once less."""
-        if self.packed_by is not None:
-            self.packed_by.release(self.packed)
-
-    def get_summary(self) -> ReplicaSummary:
-        if self.summary is None:
-            record = identity_prefix(self.space, self.block_key) + self.tail
-            self.summary = ReplicaSummary.of(ReplicaRecord.parse(record))
-        return self.summary
-
-    # A block with one replica (most blocks) is held and answered as that replica: a lookup
-    # then makes no object per block, and the store holds none (``Block``).
-    @property
-    def replicas(self) -> tuple[StoredReplica, ...]:
-        return (self,)
-
-    def rendered(self) -> bytes:
-        return _array(self.replicas)
+def tail_of(replica: StoredReplica) -> bytes:
+    """The record's served JSON tail (what follows its identity members)."""
+    record = replica.record
+    if record is not None:
+        return record_tail(record, record.ttl_ms)
+    skeletons = replica.packed_by
+    assert skeletons is not None  # a packed record comes with its skeletons
+    return skeletons.tail(replica.packed)
 
 
-def _array(replicas: tuple[StoredReplica, ...]) -> bytes:
+def summary_of(replica: StoredReplica) -> ReplicaSummary:
+    """The replica's cost summary: the store's, or parsed from the record on first use."""
+    if replica.summary is None:
+        record = identity_prefix(replica.space, replica.block_key) + tail_of(replica)
+        replica.summary = ReplicaSummary.of(ReplicaRecord.parse(record))
+    return replica.summary
+
+
+def released(replica: StoredReplica) -> None:
+    """The replica leaves its store: its skeleton is used once less."""
+    if replica.packed_by is not None:
+        replica.packed_by.release(replica.packed)
+
+
+def array_of(block: Block) -> bytes:
     """A block's JSON array, as a lookup serves it: rendered from the packed records as the
     key table renders them, or joined from the tails."""
+    replicas = block.replicas
     first = replicas[0]
     skeletons = first.packed_by
     if skeletons is not None:
         packed = b"".join(r.packed for r in replicas)
         return render_array(identity_middle(first.space), packed, skeletons.listed)
-    return join_array(identity_prefix(first.space, first.block_key), [r.tail for r in replicas])
+    return join_array(identity_prefix(first.space, first.block_key), [tail_of(r) for r in replicas])
 
 
 class BlockReplicas:
@@ -155,9 +115,6 @@ class BlockReplicas:
         """What the key table holds for this block: its one replica, or this."""
         replicas = self.replicas
         return replicas[0] if len(replicas) == 1 else self
-
-    def rendered(self) -> bytes:
-        return _array(self.replicas)
 
     def find(self, holder: str) -> StoredReplica | None:
         for replica in self.replicas:
@@ -189,7 +146,7 @@ Block = StoredReplica | BlockReplicas
 
 def arrays_of(blocks: Sequence[Block]) -> list[bytes]:
     """The JSON arrays of the blocks, for ``answer_json``."""
-    return [b.rendered() for b in blocks]
+    return [array_of(b) for b in blocks]
 
 
 def holder_runs(blocks: Sequence[Block]) -> list[tuple[str, int]]:
@@ -211,8 +168,8 @@ class ReplicaTable:
     process that only reads cost summaries (the simulator) renders it only if ever asked.
 
     The cyclic collector never walks the records (``untrack``, decision 0025): each space's
-    key table, the deadline heap, every block's tuple of replicas and the replicas are taken
-    out of it.
+    key table, the deadline heap and every block's tuple of replicas are taken out of it, and a
+    compiled replica is never in it.
     None of them can be part of a cycle: they reference only strings, numbers, octets, shared
     summaries and (unrendered) records, none of which lead back to them. Kept, a full
     collection walked three objects per record: 0.64 s at 300,000 records."""
@@ -298,7 +255,7 @@ class ReplicaTable:
         replaced = block.put(replica)
         created = replaced is None
         if replaced is not None:
-            replaced.release()
+            released(replaced)
         self._set(blocks, record.block_key, block)
         heapq.heappush(self._deadlines, replica)
         if created:
@@ -310,13 +267,17 @@ class ReplicaTable:
 
     def _set(self, blocks: KeyTable[Block], key: str, block: BlockReplicas) -> None:
         """(Re)enter a changed block's replicas with their records packed, which lookups
-        render. A block of one replica is held as the replica (96 octets fewer a block)."""
+        render. A block of one replica is held as the replica (96 octets fewer a block), its
+        payload the replica itself (its packed octets, not a copy)."""
         replicas = block.replicas
-        untrack(block, replicas, *replicas)
-        if self._render:  # one record: the payload is its packed octets, not a copy
-            blocks.put(key, block.held, b"".join(r.packed for r in replicas))
+        untrack(block, replicas)
+        held = block.held
+        if not self._render:
+            blocks.put(key, held, None)
+        elif isinstance(held, BlockReplicas):
+            blocks.put(key, held, b"".join(r.packed for r in replicas))
         else:
-            blocks.put(key, block.held, None)
+            blocks.put(key, held, held)
 
     def withdraw(self, ref: ReplicaRef) -> bool:
         self.expire()
@@ -331,7 +292,7 @@ class ReplicaTable:
         gone = block.remove(holder)
         if gone is None:
             return False
-        gone.release()
+        released(gone)
         if not block.replicas:
             blocks.pop(block_key)
             if not blocks:

@@ -13,7 +13,7 @@ from kvsp.core.cost import FetchPlanner, recompute_us
 from kvsp.core.problems import CapacityExhausted, StaleEpoch
 from kvsp.core.records import InstanceStatusRecord, TargetEstimate
 from kvsp.core.urls import canonical_url
-from kvsp.index.replicas import Block
+from kvsp.index.replicas import Block, summary_of
 from kvsp.index.rules import IndexLimits
 
 __all__ = ["STATUS_RETENTION_MS", "StatusTable", "estimate_targets"]
@@ -88,7 +88,7 @@ def estimate_targets(
     if block_tokens is None:
         return []
     planner = FetchPlanner(
-        [[replica.get_summary() for replica in block.replicas] for block in matched]
+        [[summary_of(replica) for replica in block.replicas] for block in matched]
     )
     out = []
     for target in targets:

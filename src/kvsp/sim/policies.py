@@ -24,6 +24,7 @@ from kvsp.core.cost import FetchPlanner
 from kvsp.core.problems import ConfigurationError
 from kvsp.core.records import LookupResponse
 from kvsp.holder.blocks import BlockId
+from kvsp.index.replicas import summary_of
 from kvsp.sim.cluster import Choice, Cluster, SimInstance
 from kvsp.sim.workload import SimRequest
 
@@ -114,7 +115,7 @@ class KvspCost:
             )
         scope = cluster.scope(request.tenant)
         found = cluster.index.lookup(cluster.compat, scope, request.keys)
-        summaries = [[r.get_summary() for r in block.replicas] for block in found]
+        summaries = [[summary_of(r) for r in block.replicas] for block in found]
         active = cluster.active()
         statuses = [cluster.status(i) for i in active]
         bt = cluster.scenario.model.block_tokens
@@ -158,7 +159,7 @@ class Replay:
         if request.instance is None:
             raise ConfigurationError("a replayed request names its instance")
         found = cluster.index.lookup(cluster.compat, cluster.scope(request.tenant), request.keys)
-        planner = FetchPlanner([[r.get_summary() for r in block.replicas] for block in found])
+        planner = FetchPlanner([[summary_of(r) for r in block.replicas] for block in found])
         return _fetching(cluster, cluster.instances[request.instance], planner, False)
 
 
