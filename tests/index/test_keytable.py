@@ -227,11 +227,18 @@ def test_a_block_of_records_renders_as_its_array_and_a_bad_payload_is_refused(im
     record = b'{"block_key":"%s%s' % (key(0).encode(), IDENTITY)
     digests = b'"h":1,"layer_digests":["%s","%s"]}' % (key(1).encode(), key(2).encode())
     assert (matched, answer) == (1, b"1" + array(key(0), 5)[:-1] + b"," + record + digests + b"]")
-    unknown = (len(SKELETONS.listed) + 10).to_bytes(4, "little")
-    for bad in (two[:-1], two[:3], unknown, b""):
+    unknown = (len(SKELETONS.listed) + 10).to_bytes(4, "little") + bytes.fromhex(key(1))
+    one = packed(1, key(1))
+    for bad in (one + two[:-1], one[:-1], one + two[:3], unknown):
         table.put(key(1), 1, bad)
         with pytest.raises(ValueError, match=r"packed record|no record"):
             table.join_prefix([key(1)], b"", b"", b",", b"")
+    # the table reads a block's key from its payload's first record: one of another key, or
+    # too short to hold one, is refused and the entry held stays
+    for bad in (two, two[:35], b""):
+        with pytest.raises(ValueError, match="first record must be of its key"):
+            table.put(key(1), 2, bad)
+    assert table.get(key(1)) == 1
 
 
 @pytest.mark.parametrize(

@@ -22,11 +22,20 @@
 #include <structmember.h>
 #include <sys/mman.h>
 
+/* A slot holds no key of its own: a packed payload starts with its first record's skeleton
+ * number and block key (packed.py), so the key is read there, and the slot keeps the key's hash
+ * to compare first. A key without a payload is held as a bytes object of its 32 octets, tagged
+ * in the pointer's low bit (objects are aligned). 24 octets a slot, against 48 with the key
+ * inline: at most half the slots are used, so a record's share is 48 to 96 octets
+ * (decision 0026). */
 typedef struct {
-    uint64_t key[4];
-    PyObject *value;   /* NULL marks an empty slot */
-    PyObject *payload; /* owned, Py_None when absent */
+    size_t hash;     /* hash_key of the key, where value is set */
+    PyObject *value; /* NULL marks an empty slot */
+    PyObject *held;  /* owned: the payload, or the key alone tagged KEY_ONLY */
 } Slot;
+
+#define KEY_ONLY ((uintptr_t)1)
+#define PACKED_HEAD 36 /* a packed record's skeleton number and block key */
 
 /* A stored replica of the memory store: its deadline, space, holder, cost summary and record,
  * in one object of no more than its fields. Held as Python objects (a class with slots, its
@@ -66,6 +75,38 @@ is_payload(PyObject *payload)
 {
     return PyBytes_CheckExact(payload)
            || (Py_IS_TYPE(payload, &ReplicaType) && ((Replica *)payload)->size > 0);
+}
+
+static inline int
+key_only(const Slot *slot)
+{
+    return ((uintptr_t)slot->held & KEY_ONLY) != 0;
+}
+
+/* The object a slot holds: its payload, or the bytes of its key alone. */
+static inline PyObject *
+held_object(const Slot *slot)
+{
+    return (PyObject *)((uintptr_t)slot->held & ~KEY_ONLY);
+}
+
+/* A slot's payload (borrowed), Py_None when it holds its key alone. */
+static inline PyObject *
+slot_payload(const Slot *slot)
+{
+    return key_only(slot) ? Py_None : slot->held;
+}
+
+/* The 32 octets of a used slot's key. */
+static inline const unsigned char *
+slot_key(const Slot *slot)
+{
+    PyObject *held = held_object(slot);
+    if (key_only(slot)) {
+        return (const unsigned char *)PyBytes_AS_STRING(held);
+    }
+    Py_ssize_t size;
+    return payload_octets(held, &size) + 4;
 }
 
 typedef struct {
@@ -149,23 +190,28 @@ hash_key(const uint64_t key[4])
 }
 
 static inline int
-same_key(const uint64_t *a, const uint64_t *b)
+holds_key(const Slot *slot, const uint64_t key[4], size_t hash)
 {
-    return ((a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3])) == 0;
+    return slot->hash == hash && memcmp(slot_key(slot), key, 32) == 0;
 }
 
-/* The slot holding key, or the empty slot where it would go. */
+/* The slot holding key, or the empty slot where it would go, probing from slot i. */
 static Slot *
-find_slot(Slot *slots, size_t mask, const uint64_t key[4], size_t hash)
+find_slot_from(Slot *slots, size_t mask, const uint64_t key[4], size_t hash, size_t i)
 {
-    size_t i = hash & mask;
     for (;;) {
         Slot *slot = &slots[i];
-        if (slot->value == NULL || same_key(slot->key, key)) {
+        if (slot->value == NULL || holds_key(slot, key, hash)) {
             return slot;
         }
         i = (i + 1) & mask;
     }
+}
+
+static inline Slot *
+find_slot(Slot *slots, size_t mask, const uint64_t key[4], size_t hash)
+{
+    return find_slot_from(slots, mask, key, hash, hash & mask);
 }
 
 /* Slot arrays come from mmap (zeroed), with transparent huge pages asked for: a probe then
@@ -201,8 +247,12 @@ resize(KeyTable *self, size_t capacity)
     if (self->slots != NULL) {
         for (size_t i = 0; i <= self->mask; i++) {
             Slot *old = &self->slots[i];
-            if (old->value != NULL) {
-                *find_slot(fresh, capacity - 1, old->key, hash_key(old->key)) = *old;
+            if (old->value != NULL) { /* keys are distinct: the first empty slot is its place */
+                size_t j = old->hash & (capacity - 1);
+                while (fresh[j].value != NULL) {
+                    j = (j + 1) & (capacity - 1);
+                }
+                fresh[j] = *old;
             }
         }
         free_slots(self->slots, self->mask + 1);
@@ -240,7 +290,7 @@ KeyTable_traverse(KeyTable *self, visitproc visit, void *arg)
     if (self->slots != NULL) {
         for (size_t i = 0; i <= self->mask; i++) {
             Py_VISIT(self->slots[i].value);
-            Py_VISIT(self->slots[i].payload);
+            Py_VISIT(self->slots[i].value != NULL ? held_object(&self->slots[i]) : NULL);
         }
     }
     Py_VISIT(self->skeletons);
@@ -258,8 +308,10 @@ KeyTable_clear(KeyTable *self)
         self->slots = NULL;
         self->used = 0;
         for (size_t i = 0; i <= mask; i++) {
-            Py_XDECREF(slots[i].value);
-            Py_XDECREF(slots[i].payload);
+            if (slots[i].value != NULL) {
+                Py_DECREF(slots[i].value);
+                Py_DECREF(held_object(&slots[i]));
+            }
         }
         free_slots(slots, mask + 1);
     }
@@ -326,7 +378,25 @@ KeyTable_put(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
     if (parse_key(args[0], key) < 0) {
         return NULL;
     }
+    PyObject *held;
+    if (payload == Py_None) {
+        held = PyBytes_FromStringAndSize((const char *)key, 32);
+        if (held == NULL) {
+            return NULL;
+        }
+        held = (PyObject *)((uintptr_t)held | KEY_ONLY);
+    }
+    else {
+        Py_ssize_t size;
+        const unsigned char *octets = payload_octets(payload, &size);
+        if (size < PACKED_HEAD || memcmp(octets + 4, key, 32) != 0) {
+            PyErr_SetString(PyExc_ValueError, "a payload's first record must be of its key");
+            return NULL;
+        }
+        held = Py_NewRef(payload);
+    }
     if (self->slots == NULL && resize(self, 8) < 0) {
+        Py_DECREF((PyObject *)((uintptr_t)held & ~KEY_ONLY));
         return NULL;
     }
     size_t hash = hash_key(key);
@@ -334,23 +404,24 @@ KeyTable_put(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
     if (slot->value == NULL) {
         if ((size_t)(self->used + 1) * 2 > self->mask + 1) {
             if (resize(self, (self->mask + 1) * 2) < 0) {
+                Py_DECREF((PyObject *)((uintptr_t)held & ~KEY_ONLY));
                 return NULL;
             }
             slot = find_slot(self->slots, self->mask, key, hash);
         }
-        memcpy(slot->key, key, 32);
+        slot->hash = hash;
         slot->value = Py_NewRef(value);
-        slot->payload = Py_NewRef(payload);
+        slot->held = held;
         self->used++;
     }
     else {
         /* the old references go only once the slot is whole again: freeing them may run code
          * that uses this table */
-        PyObject *old_value = slot->value, *old_payload = slot->payload;
+        PyObject *old_value = slot->value, *old_held = held_object(slot);
         slot->value = Py_NewRef(value);
-        slot->payload = Py_NewRef(payload);
+        slot->held = held;
         Py_DECREF(old_value);
-        Py_DECREF(old_payload);
+        Py_DECREF(old_held);
     }
     Py_RETURN_NONE;
 }
@@ -368,7 +439,7 @@ KeyTable_pop(KeyTable *self, PyObject *text)
     size_t mask = self->mask;
     Slot *slots = self->slots;
     PyObject *value = hole->value;
-    Py_DECREF(hole->payload);
+    PyObject *held = held_object(hole);
     /* backward shift: move later entries of the run into the hole when their home allows */
     size_t i = (size_t)(hole - slots), j = i;
     for (;;) {
@@ -377,7 +448,7 @@ KeyTable_pop(KeyTable *self, PyObject *text)
         if (next->value == NULL) {
             break;
         }
-        size_t home = hash_key(next->key) & mask;
+        size_t home = next->hash & mask;
         /* next may move to i unless its home lies cyclically in (i, j] */
         int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
         if (!stays) {
@@ -386,9 +457,10 @@ KeyTable_pop(KeyTable *self, PyObject *text)
         }
     }
     slots[i].value = NULL;
-    slots[i].payload = NULL;
+    slots[i].held = NULL;
     self->used--;
-    return value; /* the table's reference passes to the caller */
+    Py_DECREF(held); /* once the table is whole again */
+    return value;    /* the table's reference passes to the caller */
 }
 
 #define BATCH 64
@@ -402,7 +474,10 @@ probe_batch(KeyTable *self, PyObject **items, const unsigned char *packed, Py_ss
             Slot **found)
 {
     uint64_t parsed[BATCH][4];
-    size_t home[BATCH];
+    size_t hash[BATCH];
+    Slot *candidate[BATCH];
+    Slot *slots = self->slots;
+    size_t mask = self->mask;
     for (Py_ssize_t k = 0; k < n; k++) {
         if (packed != NULL) {
             memcpy(parsed[k], packed + 32 * k, 32);
@@ -410,21 +485,36 @@ probe_batch(KeyTable *self, PyObject **items, const unsigned char *packed, Py_ss
         else if (parse_key(items[k], parsed[k]) < 0) {
             return -1;
         }
-        home[k] = hash_key(parsed[k]) & self->mask;
-        __builtin_prefetch(&self->slots[home[k]]);
-        __builtin_prefetch((char *)&self->slots[home[k]] + sizeof(Slot) - 1);
+        hash[k] = hash_key(parsed[k]);
+        __builtin_prefetch(&slots[hash[k] & mask]);
+        __builtin_prefetch((char *)&slots[hash[k] & mask] + sizeof(Slot) - 1);
+    }
+    /* first the slot of each key's hash, and its held object's first lines fetched (the key is
+     * read there, and a block's array is usually one record of a few hundred octets;
+     * prefetching past an object cannot fault), then the keys compared */
+    for (Py_ssize_t k = 0; k < n; k++) {
+        size_t i = hash[k] & mask;
+        while (slots[i].value != NULL && slots[i].hash != hash[k]) {
+            i = (i + 1) & mask;
+        }
+        candidate[k] = &slots[i];
+        if (slots[i].value != NULL) {
+            const char *held = (const char *)held_object(&slots[i]);
+            for (int line = 0; line < PAYLOAD_LINES; line++) {
+                __builtin_prefetch(held + 64 * line);
+            }
+        }
     }
     Py_ssize_t matched = 0;
     for (; matched < n; matched++) {
-        Slot *slot = find_slot(self->slots, self->mask, parsed[matched], home[matched]);
+        Slot *slot = candidate[matched];
+        if (slot->value != NULL && !holds_key(slot, parsed[matched], hash[matched])) {
+            /* another key of the same hash: probe on past it */
+            slot = find_slot_from(slots, mask, parsed[matched], hash[matched],
+                                  ((size_t)(slot - slots) + 1) & mask);
+        }
         if (slot->value == NULL) {
             break;
-        }
-        /* the payload's first lines, before its size is known: a block's array is usually a
-         * single record of a few hundred octets (prefetching past an object cannot fault) */
-        const char *payload = (const char *)slot->payload;
-        for (int line = 0; line < PAYLOAD_LINES; line++) {
-            __builtin_prefetch(payload + 64 * line);
         }
         found[matched] = slot;
     }
@@ -523,7 +613,6 @@ KeyTable_prefix(KeyTable *self, PyObject *keys_arg)
 
 #define RECORD_OPEN "{\"block_key\":\""
 #define RECORD_OPEN_LEN ((Py_ssize_t)sizeof(RECORD_OPEN) - 1)
-#define PACKED_HEAD 36 /* a packed record's skeleton number and block key */
 
 /* 32 octets -> 64 lowercase hex digits, four octets at a time (SWAR): each octet's nibbles are
  * spread to bytes of their own, then 0-9 and a-f are offset to their characters. */
@@ -672,7 +761,7 @@ KeyTable_join_prefix(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
         total += a == 3 ? 0 : PyBytes_GET_SIZE(args[a]);
     }
     for (Py_ssize_t k = 0; k < matched; k++) {
-        PyObject *payload = found[k]->payload;
+        PyObject *payload = slot_payload(found[k]);
         if (payload == Py_None) {
             PyErr_SetString(PyExc_LookupError, "a matched key has no payload");
             goto done;
@@ -703,7 +792,7 @@ KeyTable_join_prefix(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
             APPEND(PyBytes_AS_STRING(sep), sep_len);
         }
         Py_ssize_t octets;
-        const unsigned char *packed = payload_octets(found[k]->payload, &octets);
+        const unsigned char *packed = payload_octets(slot_payload(found[k]), &octets);
         p = render_array(self->identity, self->skeletons, packed, octets, p);
     }
     APPEND(PyBytes_AS_STRING(args[4]), PyBytes_GET_SIZE(args[4]));

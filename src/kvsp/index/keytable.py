@@ -6,16 +6,18 @@ and runs kvsp with the fallback; ``COMPILED`` says which one this process uses.
 
 The contract (tests/index/test_keytable.py holds both to it): keys are 64 lowercase hex digits
 (str), or for lookups bytes of packed keys, 32 octets each; a value is any object but None; a
-payload is bytes or None: a block's records packed (``packed.py``), which ``join_prefix`` renders
-as the block's JSON array with the table's identity members (``identity_middle``),
-from the skeletons listed in the list the table was made with (``Skeletons.listed``, shared and
-read at each join); ``prefix`` and ``join_prefix`` stop at the first key not held;
-``pack_keys`` turns a request's raw JSON array of keys into packed keys, or answers None for
-anything it does not take as it is (the caller then decodes it the slow way, which says what is
-wrong): the fallback always answers None. ``render_array`` renders one block's payload as
-``join_prefix`` does, for answers assembled in Python. ``untrack`` takes objects that are
-never part of a reference cycle out of the cyclic collector, so its full collections do not
-walk millions of stored records (decision 0025); the fallback leaves them tracked.
+payload is bytes or None: a block's records packed (``packed.py``), the first of them of its key
+(the compiled table reads the key there rather than hold it twice; decision 0026), which
+``join_prefix`` renders as the block's JSON array with the table's identity members
+(``identity_middle``), from the skeletons in the list the table was made with
+(``Skeletons.listed``, shared and read at each join); ``prefix`` and ``join_prefix`` stop at the
+first key not held; ``pack_keys`` turns a request's raw JSON array of keys into packed keys, or
+answers None for anything it does not take as it is (the caller then decodes it the slow way,
+which says what is wrong): the fallback always answers None. ``render_array`` renders one
+block's payload as ``join_prefix`` does, for answers assembled in Python. ``untrack`` takes
+objects that are never part of a reference cycle out of the cyclic collector, so its full
+collections do not walk millions of stored records (decision 0025); the fallback leaves them
+tracked.
 ``StoredReplica`` is one record as the memory store holds it (decision 0026): compiled, one
 object of 128 octets for a plain record with its packed octets inline, never tracked by the
 collector; the fallback, ``SlotsReplica``, a class with slots and the octets as bytes.
@@ -146,6 +148,8 @@ class DictKeyTable(Generic[V]):
             payload = payload.packed
         elif payload is not None and not isinstance(payload, bytes):
             raise TypeError("payload must be bytes, a packed StoredReplica or None")
+        if payload is not None and payload[4:36] != bytes.fromhex(checked):
+            raise ValueError("a payload's first record must be of its key")
         self._entries[checked] = (value, payload)
 
     def pop(self, key: str, /) -> V | None:
