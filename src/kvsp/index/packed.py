@@ -26,7 +26,8 @@ from kvsp.index.wire import RECORD_OPEN
 
 __all__ = ["Skeletons", "block_key_of", "render_array", "split_tail"]
 
-_DIGEST = re.compile(rb'(?<=[":])[0-9a-f]{64}(?=")')
+#: a digest's hex digits, captured so that ``split`` answers pieces and digests in turn
+_DIGEST = re.compile(rb'(?<=[":])([0-9a-f]{64})(?=")')
 _NUMBER = struct.Struct("<I")
 #: a packed record's skeleton number and block key, before its digests
 _HEAD = 4 + 32
@@ -36,8 +37,8 @@ def split_tail(tail: bytes) -> tuple[bytes, bytes]:
     """The tail's skeleton and its digests' octets, in order."""
     if b"\0" in tail:
         raise ValueError("a record's JSON tail holds no NUL")
-    digests = b"".join(bytes.fromhex(run.decode()) for run in _DIGEST.findall(tail))
-    return _DIGEST.sub(b"\0", tail), digests
+    pieces = _DIGEST.split(tail)  # one pass: text, digest, text, ..., text
+    return b"\0".join(pieces[0::2]), bytes.fromhex(b"".join(pieces[1::2]).decode())
 
 
 def _filled(skeleton: bytes, digests: bytes | memoryview) -> bytes:
