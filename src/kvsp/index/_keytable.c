@@ -83,11 +83,18 @@ key_only(const Slot *slot)
     return ((uintptr_t)slot->held & KEY_ONLY) != 0;
 }
 
+/* A held pointer without its KEY_ONLY tag: the object it owns. */
+static inline PyObject *
+untagged(PyObject *held)
+{
+    return (PyObject *)((uintptr_t)held & ~KEY_ONLY);
+}
+
 /* The object a slot holds: its payload, or the bytes of its key alone. */
 static inline PyObject *
 held_object(const Slot *slot)
 {
-    return (PyObject *)((uintptr_t)slot->held & ~KEY_ONLY);
+    return untagged(slot->held);
 }
 
 /* A slot's payload (borrowed), Py_None when it holds its key alone. */
@@ -396,7 +403,7 @@ KeyTable_put(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
         held = Py_NewRef(payload);
     }
     if (self->slots == NULL && resize(self, 8) < 0) {
-        Py_DECREF((PyObject *)((uintptr_t)held & ~KEY_ONLY));
+        Py_DECREF(untagged(held));
         return NULL;
     }
     size_t hash = hash_key(key);
@@ -404,7 +411,7 @@ KeyTable_put(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
     if (slot->value == NULL) {
         if ((size_t)(self->used + 1) * 2 > self->mask + 1) {
             if (resize(self, (self->mask + 1) * 2) < 0) {
-                Py_DECREF((PyObject *)((uintptr_t)held & ~KEY_ONLY));
+                Py_DECREF(untagged(held));
                 return NULL;
             }
             slot = find_slot(self->slots, self->mask, key, hash);

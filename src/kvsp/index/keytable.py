@@ -148,7 +148,7 @@ class DictKeyTable(Generic[V]):
             payload = payload.packed
         elif payload is not None and not isinstance(payload, bytes):
             raise TypeError("payload must be bytes, a packed StoredReplica or None")
-        if payload is not None and payload[4:36] != bytes.fromhex(checked):
+        if payload is not None and packed.block_key_of(payload) != checked:
             raise ValueError("a payload's first record must be of its key")
         self._entries[checked] = (value, payload)
 
