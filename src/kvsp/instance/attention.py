@@ -8,8 +8,8 @@ layer per forward. torch's CPU kernel takes the grouping with a mask too, with t
 bits (tested), so this attention always hands it over: on a 2,048-token prefix the 16-token
 forward lost its 33-41 ms of copies and its attention took half as long (decision 0027).
 
-Anything outside the plain causal case (a position bias, a paged cache) goes to transformers'
-own ``sdpa`` unchanged.
+Anything outside the plain causal case (a position bias, a paged cache, the prefill of a static
+cache's empty slots) goes to transformers' own ``sdpa`` unchanged.
 """
 
 from __future__ import annotations
@@ -40,16 +40,15 @@ def grouped_sdpa(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: [batch, heads, tokens, head_dim] in, the
     output as [batch, tokens, heads, head_dim]."""
-    if kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
+    q_length = query.shape[2]
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    causal = causal and attention_mask is None and q_length > 1
+    special = kwargs.get("position_bias") is not None or kwargs.get("cache") is not None
+    if special or (causal and key.shape[2] > q_length):  # the last: a static cache's prefill
         out: tuple[torch.Tensor, None] = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
         return out
-    q_length = query.shape[2]
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    causal = causal and attention_mask is None and q_length > 1
-    if causal and key.shape[2] > q_length:  # an empty static cache's slots: as transformers
-        key, value = key[:, :, :q_length], value[:, :, :q_length]
     attended = torch.nn.functional.scaled_dot_product_attention(
         query,
         key,
