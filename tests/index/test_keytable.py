@@ -408,3 +408,44 @@ def test_a_compiled_plain_replica_takes_128_octets_and_no_collector_time() -> No
     assert not gc.is_tracked(replica)
     with pytest.raises(AttributeError):
         replica.expires_at = 2_000  # read-only: a deadline moves by a new replica
+
+
+class Many:
+    """A block of several replicas, as ``replicas.BlockReplicas`` holds them."""
+
+    def __init__(self, replicas: tuple[Any, ...]) -> None:
+        self.replicas = replicas
+
+
+@replicas
+@settings(max_examples=150)
+@given(
+    st.lists(st.sets(st.sampled_from(["http://a", "http://b", "http://c"]), min_size=1)),
+    st.integers(0, 3),
+)
+def test_holder_runs_are_counted_as_the_prefix_walk_counts_them(
+    impl: str, held: list[set[str]], missing: int
+) -> None:
+    made, table_type = REPLICAS[impl]
+    table = table_type(IDENTITY, SKELETONS.listed)
+    for n, holders in enumerate(held):
+        stored = tuple(made(SPACE, h, 1, packed(n, key(n)), None, SKELETONS) for h in holders)
+        table.put(key(n), stored[0] if len(stored) == 1 else Many(stored), None)
+    asked = [key(n) for n in range(len(held) + missing)]
+    blocks = table.prefix(asked)
+    assert table.holder_runs(asked) == (len(blocks), keytable.holder_runs(blocks))
+    assert table.holder_runs(b"".join(bytes.fromhex(k) for k in asked)) == table.holder_runs(asked)
+
+
+@replicas
+def test_holder_runs_refuse_blocks_of_anything_but_replicas(impl: str) -> None:
+    table = REPLICAS[impl][1](IDENTITY, SKELETONS.listed)
+    table.put(key(0), Many((Value(0),)), None)
+    with pytest.raises((TypeError, AttributeError)):
+        table.holder_runs([key(0)])
+    table.put(key(0), Value(0), None)
+    with pytest.raises(AttributeError):
+        table.holder_runs([key(0)])
+    table.put(key(0), Many([Value(0)]), None)  # a list, not a tuple
+    with pytest.raises((TypeError, AttributeError)):
+        table.holder_runs([key(0)])

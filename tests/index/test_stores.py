@@ -110,6 +110,8 @@ async def test_the_answer_is_the_lookup_rendered(store: ReplicaStore) -> None:
     assert [sorted(r["holder"] for r in rs) for rs in doc["replicas"]] == [[H1, H2], [H1]]
     assert doc["estimates"] == []
     assert await store.answer(COMPAT, SCOPE_B, asked) == (0, answer_json(()))
+    assert await store.holders(COMPAT, SCOPE_A, asked) == (2, [(H1, 2), (H2, 1)])
+    assert await store.holders(COMPAT, SCOPE_B, asked) == (0, [])
     assert json.loads(answer_json(())) == {"matched": 0, "replicas": [], "estimates": []}
 
 

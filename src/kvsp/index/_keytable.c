@@ -811,6 +811,144 @@ done:
     return result;
 }
 
+/* One holder of the first matched block and the leading blocks it holds. */
+typedef struct {
+    PyObject *holder; /* owned */
+    Py_ssize_t blocks;
+} Run;
+
+static int
+run_order(const void *a, const void *b)
+{
+    const Run *x = a, *y = b;
+    if (x->blocks != y->blocks) {
+        return x->blocks > y->blocks ? -1 : 1;
+    }
+    return PyUnicode_Compare(x->holder, y->holder); /* two str: cannot fail */
+}
+
+/* A block's replicas as a new tuple: a StoredReplica is a block of itself, anything else
+ * holds a tuple of them as "replicas". */
+static PyObject *
+replicas_of(PyObject *value)
+{
+    if (Py_IS_TYPE(value, &ReplicaType)) {
+        return PyTuple_Pack(1, value);
+    }
+    PyObject *replicas = PyObject_GetAttrString(value, "replicas");
+    if (replicas != NULL && !PyTuple_CheckExact(replicas)) {
+        Py_DECREF(replicas);
+        PyErr_SetString(PyExc_TypeError, "a block's replicas must be a tuple");
+        return NULL;
+    }
+    return replicas;
+}
+
+/* Count block k's replicas into the runs (opened at the first block); how many runs went on,
+ * or -1. */
+static Py_ssize_t
+extend_runs(PyObject *replicas, Py_ssize_t k, PyObject *position, Run *runs, Py_ssize_t *holders)
+{
+    Py_ssize_t going_on = 0;
+    for (Py_ssize_t r = 0; r < PyTuple_GET_SIZE(replicas); r++) {
+        PyObject *replica = PyTuple_GET_ITEM(replicas, r);
+        if (!Py_IS_TYPE(replica, &ReplicaType)
+            || !PyUnicode_CheckExact(((Replica *)replica)->holder)) {
+            PyErr_SetString(PyExc_TypeError, "a block's replicas must be StoredReplicas");
+            return -1;
+        }
+        PyObject *holder = ((Replica *)replica)->holder;
+        PyObject *at = PyDict_GetItemWithError(position, holder); /* borrowed */
+        if (at == NULL && PyErr_Occurred()) {
+            return -1;
+        }
+        if (at == NULL && k == 0) {
+            PyObject *number = PyLong_FromSsize_t(*holders);
+            int failed = number == NULL || PyDict_SetItem(position, holder, number) < 0;
+            Py_XDECREF(number);
+            if (failed) {
+                return -1;
+            }
+            runs[(*holders)++] = (Run){Py_NewRef(holder), 1};
+            going_on++;
+        }
+        else if (at != NULL) {
+            Run *run = &runs[PyLong_AsSsize_t(at)];
+            if (run->blocks == k) {
+                run->blocks = k + 1;
+                going_on++;
+            }
+        }
+    }
+    return going_on;
+}
+
+/* holder_runs(keys) -> (matched, [(holder, blocks), ...]): the count of leading keys present
+ * (as prefix finds them) and each holder of the first with the number of leading blocks it
+ * holds, most first, then by holder: a router's answer (replicas.holder_runs over the
+ * prefix's values) counted in one walk, which ends once no holder's run goes on. Values are
+ * StoredReplicas, or objects whose "replicas" is a tuple of them. */
+static PyObject *
+KeyTable_holder_runs(KeyTable *self, PyObject *keys_arg)
+{
+    PyObject *values = KeyTable_prefix(self, keys_arg); /* held: no slot is read after this */
+    if (values == NULL) {
+        return NULL;
+    }
+    Py_ssize_t matched = PyList_GET_SIZE(values), holders = 0;
+    PyObject *result = NULL, *position = PyDict_New();
+    Run *runs = NULL;
+    if (position == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < matched; k++) {
+        PyObject *replicas = replicas_of(PyList_GET_ITEM(values, k));
+        if (replicas == NULL) {
+            goto done;
+        }
+        if (k == 0) {
+            runs = PyMem_Calloc((size_t)PyTuple_GET_SIZE(replicas) + 1, sizeof(Run));
+            if (runs == NULL) {
+                Py_DECREF(replicas);
+                PyErr_NoMemory();
+                goto done;
+            }
+        }
+        Py_ssize_t going_on = extend_runs(replicas, k, position, runs, &holders);
+        Py_DECREF(replicas);
+        if (going_on < 0) {
+            goto done;
+        }
+        if (going_on == 0) {
+            break;
+        }
+    }
+    if (holders > 1) {
+        qsort(runs, (size_t)holders, sizeof(Run), run_order);
+    }
+    PyObject *listed = PyList_New(holders);
+    if (listed == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t h = 0; h < holders; h++) {
+        PyObject *run = Py_BuildValue("(On)", runs[h].holder, runs[h].blocks);
+        if (run == NULL) {
+            Py_DECREF(listed);
+            goto done;
+        }
+        PyList_SET_ITEM(listed, h, run);
+    }
+    result = Py_BuildValue("(nN)", matched, listed);
+done:
+    for (Py_ssize_t h = 0; h < holders; h++) {
+        Py_DECREF(runs[h].holder);
+    }
+    PyMem_Free(runs);
+    Py_XDECREF(position);
+    Py_DECREF(values);
+    return result;
+}
+
 static PyObject *
 KeyTable_values(KeyTable *self, PyObject *Py_UNUSED(ignored))
 {
@@ -837,6 +975,9 @@ static PyMethodDef KeyTable_methods[] = {
     {"join_prefix", (PyCFunction)(void (*)(void))KeyTable_join_prefix, METH_FASTCALL,
      "(matched, head + str(matched) + middle + sep.join(arrays) + tail) of the\n"
      "leading keys present, each array rendered from its packed records."},
+    {"holder_runs", (PyCFunction)KeyTable_holder_runs, METH_O,
+     "(matched, [(holder, blocks), ...]) of the leading keys present: each holder of\n"
+     "the first block with the leading blocks it holds, most first, then by holder."},
     {"values", (PyCFunction)KeyTable_values, METH_NOARGS, "Every value, in no order."},
     {NULL, NULL, 0, NULL},
 };

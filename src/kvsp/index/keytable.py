@@ -10,10 +10,12 @@ payload is bytes or None: a block's records packed (``packed.py``), the first of
 (the compiled table reads the key there rather than hold it twice; decision 0026), which
 ``join_prefix`` renders as the block's JSON array with the table's identity members
 (``identity_middle``), from the skeletons in the list the table was made with
-(``Skeletons.listed``, shared and read at each join); ``prefix`` and ``join_prefix`` stop at the
-first key not held; ``pack_keys`` turns a request's raw JSON array of keys into packed keys, or
-answers None for anything it does not take as it is (the caller then decodes it the slow way,
-which says what is wrong): the fallback always answers None. ``render_array`` renders one
+(``Skeletons.listed``, shared and read at each join); ``prefix``, ``join_prefix`` and
+``holder_runs`` (each holder of the first block with the leading blocks it holds, what a router
+weighs: ``holder_runs`` here over the values of ``prefix``) stop at the first key not held;
+``pack_keys`` turns a request's raw JSON array of keys into packed keys, or answers None for
+anything it does not take as it is (the caller then decodes it the slow way, which says what is
+wrong): the fallback always answers None. ``render_array`` renders one
 block's payload as ``join_prefix`` does, for answers assembled in Python. ``untrack`` takes
 objects that are never part of a reference cycle out of the cyclic collector, so its full
 collections do not walk millions of stored records (decision 0025); the fallback leaves them
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from kvsp.index import packed
 
@@ -43,6 +45,7 @@ __all__ = [
     "SlotsReplica",
     "StoredReplica",
     "check_keys",
+    "holder_runs",
     "is_hex",
     "pack_keys",
     "render_array",
@@ -50,6 +53,31 @@ __all__ = [
 ]
 
 V = TypeVar("V")
+
+
+class _Held(Protocol):
+    """What a key table holds for a block: its replicas, each naming its holder."""
+
+    @property
+    def replicas(self) -> Sequence[_Replica]: ...
+
+
+class _Replica(Protocol):
+    @property
+    def holder(self) -> str: ...
+
+
+def holder_runs(blocks: Sequence[_Held]) -> list[tuple[str, int]]:
+    """Each holder of the first block with the number of leading blocks it holds, most first
+    (then by URL): what a router weighs, without the records."""
+    runs: dict[str, int] = {}
+    for i, block in enumerate(blocks):
+        for replica in block.replicas:
+            if runs.get(replica.holder, 0) == i:
+                runs[replica.holder] = i + 1
+    return sorted(runs.items(), key=lambda run: (-run[1], run[0]))
+
+
 _KEY = re.compile(r"[0-9a-f]{64}")
 _HEX = re.compile(r"(?:[0-9a-f]{8})*")
 _BAD_KEY = "block key must be 64 lowercase hex digits"
@@ -178,6 +206,10 @@ class DictKeyTable(Generic[V]):
             arrays.append(packed.render_array(self._identity, payload, self._skeletons))
         matched = len(arrays)
         return matched, b"%s%d%s%s%s" % (head, matched, middle, sep.join(arrays), tail)
+
+    def holder_runs(self, keys: Sequence[str] | bytes, /) -> tuple[int, list[tuple[str, int]]]:
+        blocks = self.prefix(keys)
+        return len(blocks), holder_runs(blocks)  # type: ignore[arg-type]
 
     def values(self) -> list[V]:
         return [value for value, _ in self._entries.values()]

@@ -28,7 +28,7 @@ from kvsp.core.clock import Clock
 from kvsp.core.cost import ReplicaSummary
 from kvsp.core.problems import CapacityExhausted
 from kvsp.core.records import ReplicaRecord, ReplicaRef
-from kvsp.index.keytable import KeyTable, StoredReplica, render_array, untrack
+from kvsp.index.keytable import KeyTable, StoredReplica, holder_runs, render_array, untrack
 from kvsp.index.packed import Skeletons
 from kvsp.index.rules import IndexLimits
 from kvsp.index.wire import (
@@ -147,17 +147,6 @@ Block = StoredReplica | BlockReplicas
 def arrays_of(blocks: Sequence[Block]) -> list[bytes]:
     """The JSON arrays of the blocks, for ``answer_json``."""
     return [array_of(b) for b in blocks]
-
-
-def holder_runs(blocks: Sequence[Block]) -> list[tuple[str, int]]:
-    """Each holder of the first block with the number of leading blocks it holds, most first
-    (then by URL): what a router weighs, without the records."""
-    runs: dict[str, int] = {}
-    for i, block in enumerate(blocks):
-        for replica in block.replicas:
-            if runs.get(replica.holder, 0) == i:
-                runs[replica.holder] = i + 1
-    return sorted(runs.items(), key=lambda run: (-run[1], run[0]))
 
 
 class ReplicaTable:
@@ -348,6 +337,15 @@ class ReplicaTable:
         return blocks.join_prefix(
             probed(block_keys), ANSWER_HEAD, ANSWER_MIDDLE, b",", ANSWER_END + b"]}"
         )
+
+    def holders(
+        self, compat: str, scope: str, block_keys: Sequence[str]
+    ) -> tuple[int, list[tuple[str, int]]]:
+        """The matched count and ``holder_runs`` of the matched blocks, counted by the key
+        table as it walks them (no list of them is made)."""
+        self.expire()
+        blocks = self._spaces.get((compat, scope))
+        return (0, []) if blocks is None else blocks.holder_runs(probed(block_keys))
 
     def answered(
         self, compat: str, scope: str, block_keys: Sequence[str], estimates: bytes

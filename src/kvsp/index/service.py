@@ -196,8 +196,8 @@ class IndexService:
         return batch_json([(o.created, o.ttl_ms) for o in outcomes], removed)
 
     async def lookup(self, principal: Principal, query: LookupQuery) -> bytes:
-        """The answer's JSON: without estimates or the compact form to make, straight from the
-        store's ``answer``."""
+        """The answer's JSON: without estimates to make, straight from the store's ``answer``
+        or, in the compact form, its ``holders``."""
         authorize_lookup(principal, query.scope_id)
         block_tokens = query.block_tokens
         if query.targets and block_tokens is None:
@@ -210,6 +210,12 @@ class IndexService:
             )
             self.metrics.lookups.observe(len(query.block_keys), matched)
             return answer
+        if not targets and query.answer == "holders":
+            matched, runs = await self.store.holders(
+                query.compat_id, query.scope_id, query.block_keys
+            )
+            self.metrics.lookups.observe(len(query.block_keys), matched)
+            return holders_json(runs)
         result = await self.store.lookup(query.compat_id, query.scope_id, query.block_keys, targets)
         blocks = result.matched
         self.metrics.lookups.observe(len(query.block_keys), len(blocks))

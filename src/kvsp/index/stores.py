@@ -49,6 +49,7 @@ from kvsp.index.replicas import (
     ReplicaTable,
     StoredReplica,
     arrays_of,
+    holder_runs,
 )
 from kvsp.index.rules import IndexLimits
 from kvsp.index.statuses import STATUS_RETENTION_MS, StatusTable
@@ -90,6 +91,12 @@ class ReplicaStore(Protocol):
 
     async def answer(self, compat: str, scope: str, block_keys: Sequence[str]) -> tuple[int, bytes]:
         """The matched count and the lookup answer without estimates (``answer_json``)."""
+        ...
+
+    async def holders(
+        self, compat: str, scope: str, block_keys: Sequence[str]
+    ) -> tuple[int, list[tuple[str, int]]]:
+        """The matched count and ``holder_runs`` of the matched blocks (the compact answer)."""
         ...
 
     async def put_status(self, status: InstanceStatusRecord) -> None: ...
@@ -150,6 +157,11 @@ class MemoryReplicaStore:
 
     async def answer(self, compat: str, scope: str, block_keys: Sequence[str]) -> tuple[int, bytes]:
         return self.table.answer(compat, scope, block_keys)
+
+    async def holders(
+        self, compat: str, scope: str, block_keys: Sequence[str]
+    ) -> tuple[int, list[tuple[str, int]]]:
+        return self.table.holders(compat, scope, block_keys)
 
     async def put_status(self, status: InstanceStatusRecord) -> None:
         self.statuses.put(status)
@@ -387,6 +399,12 @@ class RedisReplicaStore:
     async def answer(self, compat: str, scope: str, block_keys: Sequence[str]) -> tuple[int, bytes]:
         matched = (await self.lookup(compat, scope, block_keys, ())).matched
         return len(matched), answer_json(arrays_of(matched))
+
+    async def holders(
+        self, compat: str, scope: str, block_keys: Sequence[str]
+    ) -> tuple[int, list[tuple[str, int]]]:
+        matched = (await self.lookup(compat, scope, block_keys, ())).matched
+        return len(matched), holder_runs(matched)
 
     async def put_status(self, status: InstanceStatusRecord) -> None:
         pipe = self._redis.pipeline(transaction=False)
