@@ -270,6 +270,35 @@ def test_hex_decoding_agrees_with_bytes_fromhex(impl: str, octets: bytes) -> Non
 
 
 @both
+@given(st.binary(min_size=32, max_size=32), st.integers(0, 63), st.integers(0, 255))
+def test_a_key_with_any_one_character_changed_is_taken_only_if_still_hex(
+    impl: str, octets: bytes, at: int, character: int
+) -> None:
+    text = octets.hex()
+    changed = text[:at] + chr(character) + text[at + 1 :]
+    table: Any = table_of(impl)
+    if chr(character) in "0123456789abcdef":
+        table.put(changed, 1, None)
+        assert table.prefix(bytes.fromhex(changed)) == [1]
+    else:
+        with pytest.raises(ValueError, match="hex digits"):
+            table.put(changed, 1, None)
+        assert keytable.pack_keys(b'["%s"]' % changed.encode("latin-1")) is None
+
+
+@both
+@given(st.binary(min_size=32, max_size=32), st.binary(min_size=32, max_size=32))
+def test_any_key_and_digest_octets_render_as_their_hex(
+    impl: str, block: bytes, digest: bytes
+) -> None:
+    table: Any = table_of(impl)
+    k = block.hex()
+    table.put(k, 0, SKELETONS.pack(k, b'"digest":"%s"}' % digest.hex().encode()))
+    rendered = b'[{"block_key":"%s%s"digest":"%s"}]' % (k.encode(), IDENTITY, digest.hex().encode())
+    assert frame(table, [k]) == (1, b"<1|%s>" % rendered)
+
+
+@both
 def test_packed_keys_come_in_whole_keys(impl: str) -> None:
     table: Any = table_of(impl)
     with pytest.raises(ValueError, match="32 octets"):

@@ -152,3 +152,15 @@ def test_keys_written_with_escapes_or_spread_over_lines_mean_the_same() -> None:
         assert query.block_keys[1] == keys[1]
         assert query.block_keys[-1] == keys[2]
         assert query.block_keys[1:] == keys[1:]
+
+
+@pytest.mark.parametrize("count", [2, 64, 700])  # keys past the compiled check's stack set
+def test_a_key_asked_twice_is_refused_however_it_is_written(count: int) -> None:
+    keys = [key(n) for n in range(count)]
+    for repeated, spacing in (([*keys, keys[count // 2]], ","), ([*keys, keys[0]], ", ")):
+        listed = spacing.join(f'"{k}"' for k in repeated)
+        body = f'{{"scope_id":"{SCOPE_A}","compat_id":"{COMPAT}","block_keys":[{listed}]}}'
+        with pytest.raises(RecordError, match="appears twice"):
+            decode_lookup(body.encode())
+    distinct = {"scope_id": SCOPE_A, "compat_id": COMPAT, "block_keys": keys}
+    assert len(decode_lookup(json.dumps(distinct).encode()).block_keys) == count

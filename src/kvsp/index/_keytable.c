@@ -21,6 +21,9 @@
 #include <string.h>
 #include <structmember.h>
 #include <sys/mman.h>
+#if defined(__SSE2__)
+#include <emmintrin.h> /* every x86-64 CPU has SSE2 */
+#endif
 
 /* A slot holds no key of its own: a packed payload starts with its first record's skeleton
  * number and block key (packed.py), so the key is read there, and the slot keeps the key's hash
@@ -150,6 +153,40 @@ hex8(const unsigned char *digits, unsigned char *octets)
     return 0;
 }
 
+#if defined(__SSE2__)
+/* 32 lowercase hex digits -> 16 octets, 16 digits a step; -1 if any is not one of 0-9 a-f.
+ * Signed byte compares: a byte of 0x80 and above is negative, so below '0', never a digit. */
+static inline int
+hex32_octets(const unsigned char *digits, unsigned char *octets)
+{
+    const __m128i low_byte = _mm_set1_epi16(0x00ff);
+    __m128i pairs[2];
+    int valid = 0xffff;
+    for (int half = 0; half < 2; half++) {
+        __m128i x = _mm_loadu_si128((const __m128i *)(digits + 16 * half));
+        __m128i digit = _mm_and_si128(_mm_cmpgt_epi8(x, _mm_set1_epi8('0' - 1)),
+                                      _mm_cmplt_epi8(x, _mm_set1_epi8('9' + 1)));
+        __m128i letter = _mm_and_si128(_mm_cmpgt_epi8(x, _mm_set1_epi8('a' - 1)),
+                                       _mm_cmplt_epi8(x, _mm_set1_epi8('f' + 1)));
+        valid &= _mm_movemask_epi8(_mm_or_si128(digit, letter));
+        /* each byte's value: '0'-'9' less '0', 'a'-'f' less 'a' - 10 */
+        __m128i value = _mm_sub_epi8(_mm_sub_epi8(x, _mm_set1_epi8('0')),
+                                     _mm_and_si128(letter, _mm_set1_epi8('a' - '0' - 10)));
+        /* little-endian 16-bit lanes hold (high digit, low digit): high << 4 | low */
+        pairs[half] = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(value, low_byte), 4),
+                                   _mm_srli_epi16(value, 8));
+    }
+    _mm_storeu_si128((__m128i *)octets, _mm_packus_epi16(pairs[0], pairs[1]));
+    return valid == 0xffff ? 0 : -1;
+}
+
+/* 64 lowercase hex digits -> the 32 octets of a key; -1 if they are not. */
+static inline int
+hex64(const unsigned char *digits, unsigned char *octets)
+{
+    return hex32_octets(digits, octets) | hex32_octets(digits + 32, octets + 16);
+}
+#else
 /* 64 lowercase hex digits -> the 32 octets of a key; -1 if they are not. */
 static inline int
 hex64(const unsigned char *digits, unsigned char *octets)
@@ -160,6 +197,7 @@ hex64(const unsigned char *digits, unsigned char *octets)
     }
     return bad;
 }
+#endif
 
 /* The 32 octets of a key, or -1 with ValueError/TypeError set. */
 static int
@@ -621,6 +659,28 @@ KeyTable_prefix(KeyTable *self, PyObject *keys_arg)
 #define RECORD_OPEN "{\"block_key\":\""
 #define RECORD_OPEN_LEN ((Py_ssize_t)sizeof(RECORD_OPEN) - 1)
 
+#if defined(__SSE2__)
+/* 32 octets -> 64 lowercase hex digits, 16 octets a step: each octet's nibbles interleaved,
+ * high first, then offset to '0'-'9' and, above 9, to 'a'-'f'. */
+static inline char *
+hex32(const unsigned char *octets, char *out)
+{
+    const __m128i nibble = _mm_set1_epi8(0x0f);
+    for (int half = 0; half < 2; half++) {
+        __m128i x = _mm_loadu_si128((const __m128i *)(octets + 16 * half));
+        __m128i high = _mm_and_si128(_mm_srli_epi16(x, 4), nibble);
+        __m128i low = _mm_and_si128(x, nibble);
+        __m128i n[2] = {_mm_unpacklo_epi8(high, low), _mm_unpackhi_epi8(high, low)};
+        for (int k = 0; k < 2; k++) {
+            __m128i letter = _mm_and_si128(_mm_cmpgt_epi8(n[k], _mm_set1_epi8(9)),
+                                           _mm_set1_epi8('a' - '0' - 10));
+            __m128i digits = _mm_add_epi8(_mm_add_epi8(n[k], _mm_set1_epi8('0')), letter);
+            _mm_storeu_si128((__m128i *)(out + 32 * half + 16 * k), digits);
+        }
+    }
+    return out + 64;
+}
+#else
 /* 32 octets -> 64 lowercase hex digits, four octets at a time (SWAR): each octet's nibbles are
  * spread to bytes of their own, then 0-9 and a-f are offset to their characters. */
 static char *
@@ -640,6 +700,7 @@ hex32(const unsigned char *octets, char *out)
     }
     return out + 64;
 }
+#endif
 
 /* The skeleton a packed record at p names (left octets from p on) and the count of its digests,
  * or NULL with ValueError set when the payload does not parse. */
@@ -1192,10 +1253,46 @@ is_hex(PyObject *Py_UNUSED(module), PyObject *text)
     Py_RETURN_TRUE;
 }
 
+/* Whether the n packed keys are all different (1), not (0), or -1 with MemoryError set: a set
+ * of their indices probed by hash_key (keyed, so keys cannot be chosen to collide), at least
+ * twice as many slots as keys. */
+static int
+all_distinct(const unsigned char *keys, Py_ssize_t n)
+{
+    uint32_t on_stack[256];
+    size_t size = 16;
+    while (size < 2 * (size_t)n) {
+        size <<= 1;
+    }
+    uint32_t *slots = size <= 256 ? on_stack : PyMem_Malloc(size * sizeof(uint32_t));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(slots, 0xff, size * sizeof(uint32_t)); /* UINT32_MAX: empty */
+    int distinct = 1;
+    for (Py_ssize_t k = 0; k < n && distinct; k++) {
+        uint64_t words[4];
+        memcpy(words, keys + 32 * k, 32);
+        size_t i = hash_key(words) & (size - 1);
+        for (; slots[i] != UINT32_MAX; i = (i + 1) & (size - 1)) {
+            if (memcmp(keys + 32 * (size_t)slots[i], words, 32) == 0) {
+                distinct = 0;
+                break;
+            }
+        }
+        slots[i] = (uint32_t)k;
+    }
+    if (slots != on_stack) {
+        PyMem_Free(slots);
+    }
+    return distinct;
+}
+
 /* pack_keys(json) -> bytes | None: the packed keys (32 octets each) of a JSON array, given as
- * the octets of a buffer, whose elements are all strings of 64 lowercase hex digits written
- * plainly; None for anything else (an escape, another kind of element, a wrong length), which
- * the caller decodes the slow way and refuses with a precise error. */
+ * the octets of a buffer, whose elements are all different strings of 64 lowercase hex digits
+ * written plainly; None for anything else (an escape, another kind of element, a wrong length,
+ * a key twice), which the caller decodes the slow way and refuses with a precise error. */
 static PyObject *
 pack_keys(PyObject *Py_UNUSED(module), PyObject *arg)
 {
@@ -1246,7 +1343,16 @@ pack_keys(PyObject *Py_UNUSED(module), PyObject *arg)
     }
     SKIP_SPACE;
 #undef SKIP_SPACE
-    if (p != end) {
+    if (p != end || n > (Py_ssize_t)UINT32_MAX) {
+        goto slow;
+    }
+    int distinct = all_distinct(dst, n);
+    if (distinct < 0) {
+        PyBuffer_Release(&view);
+        Py_DECREF(out);
+        return NULL;
+    }
+    if (!distinct) {
         goto slow;
     }
     PyBuffer_Release(&view);

@@ -13,10 +13,10 @@ payload is bytes or None: a block's records packed (``packed.py``), the first of
 (``Skeletons.listed``, shared and read at each join); ``prefix``, ``join_prefix`` and
 ``holder_runs`` (each holder of the first block with the leading blocks it holds, what a router
 weighs: ``holder_runs`` here over the values of ``prefix``) stop at the first key not held;
-``pack_keys`` turns a request's raw JSON array of keys into packed keys, or answers None for
-anything it does not take as it is (the caller then decodes it the slow way, which says what is
-wrong): the fallback always answers None. ``render_array`` renders one
-block's payload as ``join_prefix`` does, for answers assembled in Python. ``untrack`` takes
+``pack_keys`` turns a request's raw JSON array of distinct keys into packed keys, or answers
+None for anything it does not take as it is (the caller then decodes it the slow way, which
+says what is wrong): the fallback always answers None. ``render_array`` renders one block's
+payload as ``join_prefix`` does, for answers assembled in Python. ``untrack`` takes
 objects that are never part of a reference cycle out of the cyclic collector, so its full
 collections do not walk millions of stored records (decision 0025); the fallback leaves them
 tracked.

@@ -13,7 +13,6 @@ lookup computes estimates and is not the cheap one anyway.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from typing import Annotated, Literal, NamedTuple, Protocol
 
@@ -86,14 +85,14 @@ _KEY_LIST = msgspec.json.Decoder(
 
 def _packed(block_keys: msgspec.Raw) -> bytes:
     packed = pack_keys(block_keys)
-    if packed is None:  # not a plain array of keys: decoded the slow way, which says why
+    if packed is None:  # not a plain array of distinct keys: decoded the slow way, which says why
         keys = _KEY_LIST.decode(block_keys)
         check_keys(keys)
         packed = b"".join(map(bytes.fromhex, keys))
+        if len(set(keys)) != len(keys):
+            raise ValueError("a key appears twice: a chain of Block Keys never repeats one")
     if len(packed) > 32 * MAX_KEYS_PER_REQUEST:
         raise ValueError(f"a lookup names at most {MAX_KEYS_PER_REQUEST} block keys")
-    if len(set(struct.iter_unpack("32s", packed))) * 32 != len(packed):  # keys cut in C
-        raise ValueError("a key appears twice: a chain of Block Keys never repeats one")
     return packed
 
 
