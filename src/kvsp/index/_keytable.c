@@ -888,31 +888,40 @@ run_order(const void *a, const void *b)
     return PyUnicode_Compare(x->holder, y->holder); /* two str: cannot fail */
 }
 
-/* A block's replicas as a new tuple: a StoredReplica is a block of itself, anything else
- * holds a tuple of them as "replicas". */
-static PyObject *
-replicas_of(PyObject *value)
+/* A block's replicas, *count of them: a StoredReplica is a block of itself (its list entry at
+ * value_at, no tuple made), anything else holds a tuple of them as "replicas" (*owner, a new
+ * reference, is that tuple). NULL with an error set when neither. */
+static PyObject *const *
+replicas_of(PyObject *const *value_at, Py_ssize_t *count, PyObject **owner)
 {
-    if (Py_IS_TYPE(value, &ReplicaType)) {
-        return PyTuple_Pack(1, value);
+    *owner = NULL;
+    if (Py_IS_TYPE(*value_at, &ReplicaType)) {
+        *count = 1;
+        return value_at;
     }
-    PyObject *replicas = PyObject_GetAttrString(value, "replicas");
-    if (replicas != NULL && !PyTuple_CheckExact(replicas)) {
+    PyObject *replicas = PyObject_GetAttrString(*value_at, "replicas");
+    if (replicas == NULL) {
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(replicas)) {
         Py_DECREF(replicas);
         PyErr_SetString(PyExc_TypeError, "a block's replicas must be a tuple");
         return NULL;
     }
-    return replicas;
+    *owner = replicas;
+    *count = PyTuple_GET_SIZE(replicas);
+    return &PyTuple_GET_ITEM(replicas, 0);
 }
 
 /* Count block k's replicas into the runs (opened at the first block); how many runs went on,
  * or -1. */
 static Py_ssize_t
-extend_runs(PyObject *replicas, Py_ssize_t k, PyObject *position, Run *runs, Py_ssize_t *holders)
+extend_runs(PyObject *const *replicas, Py_ssize_t count, Py_ssize_t k, PyObject *position,
+            Run *runs, Py_ssize_t *holders)
 {
     Py_ssize_t going_on = 0;
-    for (Py_ssize_t r = 0; r < PyTuple_GET_SIZE(replicas); r++) {
-        PyObject *replica = PyTuple_GET_ITEM(replicas, r);
+    for (Py_ssize_t r = 0; r < count; r++) {
+        PyObject *replica = replicas[r];
         if (!Py_IS_TYPE(replica, &ReplicaType)
             || !PyUnicode_CheckExact(((Replica *)replica)->holder)) {
             PyErr_SetString(PyExc_TypeError, "a block's replicas must be StoredReplicas");
@@ -963,20 +972,22 @@ KeyTable_holder_runs(KeyTable *self, PyObject *keys_arg)
         goto done;
     }
     for (Py_ssize_t k = 0; k < matched; k++) {
-        PyObject *replicas = replicas_of(PyList_GET_ITEM(values, k));
+        Py_ssize_t count;
+        PyObject *owner;
+        PyObject *const *replicas = replicas_of(PySequence_Fast_ITEMS(values) + k, &count, &owner);
         if (replicas == NULL) {
             goto done;
         }
         if (k == 0) {
-            runs = PyMem_Calloc((size_t)PyTuple_GET_SIZE(replicas) + 1, sizeof(Run));
+            runs = PyMem_Calloc((size_t)count + 1, sizeof(Run));
             if (runs == NULL) {
-                Py_DECREF(replicas);
+                Py_XDECREF(owner);
                 PyErr_NoMemory();
                 goto done;
             }
         }
-        Py_ssize_t going_on = extend_runs(replicas, k, position, runs, &holders);
-        Py_DECREF(replicas);
+        Py_ssize_t going_on = extend_runs(replicas, count, k, position, runs, &holders);
+        Py_XDECREF(owner);
         if (going_on < 0) {
             goto done;
         }

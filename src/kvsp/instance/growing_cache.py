@@ -33,7 +33,7 @@ def room_for(tokens: int) -> int:
 
 
 class GrowingLayer(DynamicLayer):
-    """One layer's keys and values in token-major buffers with room to grow."""
+    """One layer's keys and values in head-major buffers with room to grow."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)  # type: ignore[no-untyped-call]
@@ -41,7 +41,7 @@ class GrowingLayer(DynamicLayer):
 
     def adopt(self, key_room: torch.Tensor, value_room: torch.Tensor, tokens: int) -> None:
         """Hold buffers ``[batch, kv_heads, capacity, head_dim]`` whose first ``tokens``
-        tokens are this layer's keys and values (an imported prefix, joined in place)."""
+        tokens are this layer's keys and values (an imported prefix, copied into them)."""
         if key_room.shape != value_room.shape or not 0 <= tokens <= key_room.shape[2]:
             raise ValueError("key and value buffers of one shape, holding the tokens")
         self.dtype, self.device = key_room.dtype, key_room.device
