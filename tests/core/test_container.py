@@ -95,6 +95,7 @@ def test_round_trip_random_geometry(block: tuple) -> None:  # type: ignore[type-
     assert parsed.layer_digests() == built.layer_digests()
     assert parsed.digest() == built.digest()
     octets = built.tobytes()
+    assert bytes(parsed.data()) == bytes(built.data()) == octets[built.header.header_octets :]
     sha256 = hashlib.sha256(octets).digest()
     assert built.sha256() == sha256
     fresh = Container.parse(octets, geometry)  # its layer digests come with the whole one

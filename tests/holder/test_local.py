@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from kvsp.core.container import Container
 from kvsp.holder import local
 from kvsp.holder.store import BlockRead
 from tests.holder.env import holder_env
@@ -36,3 +37,20 @@ async def test_a_held_block_is_read_in_process_and_a_missing_one_is_not() -> Non
         assert local.find(service.url.removesuffix("/")) is service  # as records name it
         local.unregister(service)
         assert local.find(service.url) is None
+
+
+async def test_a_container_is_stored_as_its_octets_would_be() -> None:
+    """Given parsed (a block this process verified, its digests known) or built (its sections
+    joined), a container is held with the record and octets its bytes would have."""
+    async with holder_env(host_blocks=4) as env:
+        service = env.service
+        by_octets = await service.store_block(block_id(1), container(1).tobytes())
+        parsed = Container.parse(container(2).tobytes())
+        parsed.sha256()
+        by_parsed = await service.store_block(block_id(2), parsed)
+        by_built = await service.store_block(block_id(3), container(3))
+        for n, record in ((1, by_octets), (2, by_parsed), (3, by_built)):
+            assert record.digest_octets == container(n).digest()
+            loop = asyncio.get_running_loop()
+            read = await loop.run_in_executor(None, service.read_in_process, block_id(n), octets)
+            assert read == bytes(container(n).data())

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvsp.core.container import Container
+from kvsp.core.problems import ContainerError
 from kvsp.core.records import Sampler
 from kvsp.instance.engine import Engine, KvState
 from kvsp.model import ModelFiles
@@ -62,6 +63,45 @@ def test_a_cached_prefix_gives_the_tokens_of_a_full_recompute(engine: Engine) ->
     cached = engine.state_from_blocks(blocks, prompt[:cut])
     reused = list(engine.generate(cached, prompt[cut:], greedy, 12))
     assert reused == fresh
+
+
+def test_blocks_added_as_they_arrive_in_any_order_give_the_state_of_all_at_once(
+    engine: Engine,
+) -> None:
+    exporter = KvState()
+    engine.forward(exporter, PROMPT)
+    blocks = [engine.export_block(exporter, i) for i in range(4)]
+    prefix = engine.prefix(len(PROMPT) + 5)
+    for index in (2, 0, 3, 1):
+        prefix.add(index, Container.parse(blocks[index].tobytes()))
+    arrived = prefix.state(PROMPT)
+    whole = engine.state_from_blocks(blocks, PROMPT)
+    assert np.array_equal(engine.forward(arrived, [99]), engine.forward(whole, [99]))
+    assert np.array_equal(engine.forward(arrived, [5, 6, 7]), engine.forward(whole, [5, 6, 7]))
+
+
+def test_a_prefix_state_holds_only_the_first_blocks_and_only_added_ones(engine: Engine) -> None:
+    exporter = KvState()
+    engine.forward(exporter, PROMPT)
+    prefix = engine.prefix(len(PROMPT))
+    prefix.add(0, engine.export_block(exporter, 0))
+    prefix.add(2, engine.export_block(exporter, 2))  # past the prefix's end: left unread
+    assert len(prefix.state(PROMPT[:16])) == 16
+    with pytest.raises(ValueError, match="first blocks added"):
+        prefix.state(PROMPT[:48])  # block 1 never came
+    with pytest.raises(ValueError, match="first blocks added"):
+        prefix.state(PROMPT[:20])  # not whole blocks
+    with pytest.raises(ValueError, match="made room for"):
+        prefix.add(4, engine.export_block(exporter, 3))
+    with pytest.raises(ContainerError, match="16 tokens"):
+        prefix.add(1, engine.export_range(exporter, 16, 24))
+
+
+def test_an_empty_prefix_generates_as_a_fresh_state_does(engine: Engine) -> None:
+    greedy = Sampler(method="greedy", deterministic=True)
+    fresh = list(engine.generate(KvState(), PROMPT, greedy, 6))
+    made_room = engine.prefix(len(PROMPT) + 6).state([])
+    assert list(engine.generate(made_room, PROMPT, greedy, 6)) == fresh
 
 
 @pytest.mark.parametrize(

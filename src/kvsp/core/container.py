@@ -428,6 +428,13 @@ class Container:
     def size(self) -> int:
         return self.header.total_octets
 
+    def data(self) -> memoryview:
+        """The octets of every layer, header excluded, as one buffer: a view of a parsed
+        container's data region, a join (one copy) of a built container's sections."""
+        if len(self._data) == 1:
+            return self._data[0]
+        return memoryview(b"".join(self._data))
+
     def tobytes(self) -> bytes:
         """The representation as one ``bytes`` (the one copy of the data)."""
         return b"".join(self.parts)

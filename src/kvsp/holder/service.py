@@ -477,24 +477,30 @@ class HolderService:
     async def store_block(
         self,
         block: BlockId,
-        body: bytes,
+        body: bytes | Container,
         placement: Sequence[tuple[Tier, tuple[int, int]]] | None = None,
         use: Callable[[BlockId], None] | None = None,
     ) -> ReplicaRecord:
-        """Store a whole block's container octets (the holder's own blocks: no caller to
-        authorize); ``AlreadyStored`` if it is held. ``placement`` is preferred where its tiers
-        have room, else the block goes where the store puts it; ``use`` is called with the
-        block, on the store's thread, once it is held (or if it already was)."""
+        """Store a whole block's container, its octets or parsed (the holder's own blocks: no
+        caller to authorize); ``AlreadyStored`` if it is held. A container this process has
+        fetched and verified keeps the digests it was checked with: stored, its octets are
+        copied once and hashed no more. ``placement`` is preferred where its tiers have room,
+        else the block goes where the store puts it; ``use`` is called with the block, on the
+        store's thread, once it is held (or if it already was)."""
 
         def put() -> ReplicaRecord:
             if block in self.store:  # before hashing megabytes for nothing
                 if use is not None:
                     use(block)
                 raise AlreadyStored(f"{block_ref(block)} is already held here")
-            container = Container.parse(body, max_octets=self.config.max_block_octets)
+            container = (
+                body
+                if isinstance(body, Container)
+                else Container.parse(body, max_octets=self.config.max_block_octets)
+            )
             sha256 = container.sha256()  # and, in the same pass, the layer digests for the meta
             meta = BlockMeta.of(container)
-            data: memoryview = container.parts[1]  # type: ignore[assignment]
+            data = container.data()
             try:
                 record = self.store.put(block, meta, data, placement)
             except CapacityExhausted:

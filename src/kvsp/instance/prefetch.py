@@ -163,6 +163,6 @@ class Prefetcher:
                 log.info("block from %s not prefetched: %s", holder, exc.detail)
                 continue
             with contextlib.suppress(AlreadyStored):
-                await self.holder.store_block(key, container.tobytes(), self.placement)
+                await self.holder.store_block(key, container, self.placement)
             return True
         return False

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvsp.core.container import Container
@@ -74,9 +74,10 @@ class Reuse:
 
         await self.holder.call(release)
 
-    async def hold(self, session: Session, block: BlockId, body: bytes) -> None:
+    async def hold(self, session: Session, block: BlockId, body: bytes | Container) -> None:
         """Hold a block in the pool, used by ``session``; with no room left (every block in
-        use) it is not held, which only costs a later recompute."""
+        use) it is not held, which only costs a later recompute. A fetched container is held
+        as it is: verified, its digests are known."""
         try:
             await self.holder.store_block(
                 block, body, self.placement, lambda b: self._use(session, b)
@@ -115,10 +116,14 @@ class Reuse:
         self.kv.transfer(block, holder, self.url, container.size)
         return container
 
-    async def load(self, session: Session, keys: Sequence[str]) -> list[Container]:
-        """The longest prefix of ``keys`` (the session's first blocks) held here (G1, G2) or,
-        through the IS, elsewhere; the session uses every block loaded, and counts where its
-        tokens came from."""
+    async def load(
+        self, session: Session, keys: Sequence[str], arrived: Callable[[int, Container], None]
+    ) -> int:
+        """How many of ``keys`` (the session's first blocks) make the longest prefix held here
+        (G1, G2) or, through the IS, elsewhere; ``arrived`` is called, on one thread at a time,
+        with each block's index and container as it comes (blocks past the prefix's end among
+        them; one it refuses with a ``KvspError`` is fetched from the next holder). The session
+        uses every block loaded, and counts where its tokens came from."""
         b = self.block_tokens
         blocks = [(self.compat_id, session.chain.scope_of(i), k) for i, k in enumerate(keys)]
 
@@ -137,23 +142,33 @@ class Reuse:
             return found
 
         with tracing.span("kvsp.reuse.local", blocks=len(blocks)):
-            out = await self.holder.call(read_local)
-        rest = blocks[len(out) :]
-        runs = scope_runs(rest, session.chain.scope_of, len(out)) if self.index else []
-        for _, part in runs:  # one lookup per scope: a shared prefix's first
-            found = await self._load_remote(session, part)
-            out += found
-            if len(found) < len(part):
-                break
-        n = len(out)
-        self.kv.reused(session.session, blocks[:n], [session.tokens_of(i, b) for i in range(n)])
-        return out
+            local = await self.holder.call(read_local)
 
-    async def _load_remote(self, session: Session, rest: Sequence[BlockId]) -> list[Container]:
-        """The longest prefix of ``rest`` (blocks of one scope) found through the IS, verified
-        and then held here."""
+        def take_local() -> None:  # off the event loop: a long prefix copies for milliseconds
+            for index, container in enumerate(local):
+                arrived(index, container)
+
+        await asyncio.get_running_loop().run_in_executor(None, take_local)
+        n = len(local)
+        runs = scope_runs(blocks[n:], session.chain.scope_of, n) if self.index else []
+        for _, part in runs:  # one lookup per scope: a shared prefix's first
+            found = await self._load_remote(session, part, n, arrived)
+            n += found
+            if found < len(part):
+                break
+        self.kv.reused(session.session, blocks[:n], [session.tokens_of(i, b) for i in range(n)])
+        return n
+
+    async def _load_remote(
+        self,
+        session: Session,
+        rest: Sequence[BlockId],
+        first: int,
+        arrived: Callable[[int, Container], None],
+    ) -> int:
+        """How many of ``rest`` (blocks ``first`` on, of one scope) make the longest prefix
+        found through the IS, verified and then held here; ``arrived`` as for ``load``."""
         assert self.index is not None
-        out: list[Container] = []
         try:
             answer = await self.index.lookup(
                 LookupRequest(
@@ -164,10 +179,10 @@ class Reuse:
             )
         except KvspError as exc:
             log.warning("index lookup failed: %s", exc.detail)
-            return out
+            return 0
         limit = asyncio.Semaphore(FETCHES_AT_ONCE)
 
-        async def one(records: Sequence[ReplicaRecord]) -> Container | None:
+        async def one(index: int, records: Sequence[ReplicaRecord]) -> Container | None:
             for record in fetchable(records):
                 if canonical_url(record.holder) == self.url:
                     continue
@@ -175,16 +190,21 @@ class Reuse:
                     async with limit:
                         with tracing.span("kvsp.block.get", holder=record.holder,
                                           block=record.block_key):  # fmt: skip
-                            return await self.fetch(record)
+                            container = await self.fetch(record)
+                    arrived(index, container)  # its copy overlaps the other fetches
+                    return container
                 except KvspError as exc:
                     log.info("block from %s not loaded: %s", record.holder, exc.detail)
             return None
 
-        fetched = await asyncio.gather(*(one(records) for records in answer.replicas))
+        fetched = await asyncio.gather(
+            *(one(first + i, records) for i, records in enumerate(answer.replicas))
+        )
+        found = 0
         for block, container in zip(rest, fetched, strict=False):
             if container is None:
                 break
-            out.append(container)
+            found += 1
             session.cached["remote"] = session.cached.get("remote", 0) + self.block_tokens
-            await self.hold(session, block, container.tobytes())
-        return out
+            await self.hold(session, block, container)
+        return found

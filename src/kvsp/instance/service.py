@@ -469,16 +469,13 @@ class InstanceService:
     async def _begin(self, session: Session, tokens: Sequence[int]) -> None:
         """Load the longest prefix held anywhere, then compute the rest in the background."""
         b = self.block_tokens
+        prefix = self.engine.prefix(len(tokens))
         try:  # the last prompt token is computed: the first output token needs its logits
-            blocks = await self.reuse.load(session, session.prompt_blocks[: (len(tokens) - 1) // b])
+            keys = session.prompt_blocks[: (len(tokens) - 1) // b]
+            state = prefix.state(tokens[: await self.reuse.load(session, keys, prefix.add) * b])
         except BaseException:
             await self.reuse.release(session)
             raise
-        state = (
-            self.engine.state_from_blocks(blocks, tokens[: len(blocks) * b])
-            if blocks
-            else KvState()
-        )
         self._admit(session)
         self.counters.prompt(len(tokens), session.cached)
         rest = list(tokens[len(state) :])
@@ -520,15 +517,16 @@ class InstanceService:
         # every block key whose tokens are all known, except the block holding the last token
         keys = session.keys()
         covered_max = (start * b + len(known) - 1) // b
+        ids = [_UNKNOWN] * (start * b) + list(known)
+        prefix = self.engine.prefix(len(ids))
         try:
-            blocks = await self.reuse.load(session, keys[:covered_max])
-            if len(blocks) < start:
+            loaded = await self.reuse.load(session, keys[:covered_max], prefix.add)
+            if loaded < start:
                 raise NotFound("the checkpoint's prompt blocks are not held anywhere reachable")
         except BaseException:
             await self.reuse.release(session)
             raise
-        ids = [_UNKNOWN] * (start * b) + list(known)
-        state = self.engine.state_from_blocks(blocks, ids[: len(blocks) * b])
+        state = prefix.state(ids[: loaded * b])
         self._admit(session)
         rest = ids[len(state) :]
         session.max_tokens = max(session.max_tokens, len(session.generated))

@@ -349,8 +349,9 @@ class VllmInstanceService(InstanceService):
         b = self.block_tokens
         prefix = session.prompt_blocks
         try:  # verified copies here first, so vLLM's loads cannot fail over the network
-            blocks = await self.reuse.load(session, prefix[:start])
-            if len(blocks) < start:
+            # vLLM reads them from the holder, nothing is imported here
+            loaded = await self.reuse.load(session, prefix[:start], lambda _index, _block: None)
+            if loaded < start:
                 raise NotFound("the checkpoint's prompt blocks are not held anywhere reachable")
         except BaseException:
             await self.reuse.release(session)
