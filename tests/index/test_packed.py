@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvsp.core.records import ReplicaRecord
+from kvsp.index import packed
 from kvsp.index.keytable import COMPILED, DictKeyTable, KeyTable
 from kvsp.index.packed import Skeletons, block_key_of, render_array, split_tail
 from kvsp.index.wire import identity_middle, identity_prefix, join_array, record_tail
@@ -51,6 +52,35 @@ def test_a_rendered_array_is_the_joined_array(records: list[ReplicaRecord]) -> N
         table = table_type(identity_middle(space), skeletons.listed)
         table.put(block.block_key, 1, payload)
         assert table.join_prefix([block.block_key], b"", b"", b",", b"") == (1, b"1" + joined)
+
+
+@given(
+    st.lists(st.tuples(RECORDS, st.sampled_from([None, 1, 60_000])), min_size=1, max_size=8),
+    st.sampled_from(["http://127.0.0.1:9/kvsp/", "x:" + key(7)]),
+)
+def test_a_record_packs_as_its_tail_does(
+    granted: list[tuple[ReplicaRecord, int | None]], other_holder: str
+) -> None:
+    """Packed once per shape (holder, TTL, residency...), a record is the octets its rendered
+    tail packs to, also where another member looks like a digest (a holder ending with 64 hex
+    digits after a colon, set past validation: the tail splits more than the digests)."""
+    by_record, by_tail = Skeletons(), Skeletons()
+    for n, (record, ttl) in enumerate(granted):
+        if n % 3 == 2:
+            record = record.model_copy(update={"holder": other_holder})
+        ttl_ms = record.ttl_ms if ttl is None else ttl
+        packed = by_record.pack_record(record, ttl_ms)
+        assert packed == by_tail.pack(record.block_key, record_tail(record, ttl_ms))
+        assert by_record.tail(packed) == record_tail(record, ttl_ms)
+
+
+def test_the_shapes_remembered_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packed, "MAX_SHAPES", 2)
+    skeletons = Skeletons()
+    for ttl_ms in range(1, 6):
+        record = replica(ttl_ms, ttl_ms=ttl_ms)
+        assert skeletons.tail(skeletons.pack_record(record, ttl_ms)) == record_tail(record, ttl_ms)
+        assert len(skeletons._shapes) <= 2
 
 
 #: pieces of tails: quotes and colons around hex runs of 64 digits and of others

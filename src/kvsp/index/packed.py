@@ -9,7 +9,9 @@ little-endian, its block key's 32 octets and each digest's 32 octets (the key to
 replica then needs no key string of its own). A block's payload in the key table is its records
 packed so, one after another; the table renders its JSON array from them and its space's
 identity members (``wire.identity_middle``), in ``_keytable.c`` or in ``render_array`` here:
-the same octets ``wire.join_array`` makes from the tails (decision 0026).
+the same octets ``wire.join_array`` makes from the tails (decision 0026). A published record is
+packed from its members (``Skeletons.pack_record``): the tail is written and split once per shape
+of record, not once per record, which was most of the cost of an ingest.
 
 What counts as a digest is only a matter of size: any run of exactly 64 lowercase hex digits
 that ends a JSON string and starts it or follows a ``:`` (``"sha-256:..."``) is cut, and
@@ -21,8 +23,10 @@ from __future__ import annotations
 import re
 import struct
 from collections.abc import Iterator, Sequence
+from operator import attrgetter
 
-from kvsp.index.wire import RECORD_OPEN
+from kvsp.core.records import ReplicaRecord
+from kvsp.index.wire import IDENTITY, RECORD_OPEN, record_tail
 
 __all__ = ["Skeletons", "block_key_of", "render_array", "split_tail"]
 
@@ -39,6 +43,31 @@ def split_tail(tail: bytes) -> tuple[bytes, bytes]:
         raise ValueError("a record's JSON tail holds no NUL")
     pieces = _DIGEST.split(tail)  # one pass: text, digest, text, ..., text
     return b"\0".join(pieces[0::2]), bytes.fromhex(b"".join(pieces[1::2]).decode())
+
+
+#: shapes remembered at most, each a few hundred octets (publishers vary their records rarely)
+MAX_SHAPES = 4096
+#: the members that make a record's tail other than its identity and its digests
+_SHAPE_MEMBERS = attrgetter(
+    *(
+        name
+        for name in ReplicaRecord.model_fields
+        if name not in IDENTITY and name not in {"digest", "layer_digests"}
+    )
+)
+
+
+def _shape(record: ReplicaRecord, ttl_ms: int) -> tuple[object, ...]:
+    """What a record's skeleton follows from: every member of its tail but the digests' hex
+    (the granted TTL for its own), and how many layer digests it has."""
+    layers = None if record.layer_digests is None else len(record.layer_digests)
+    return (ttl_ms, layers, _SHAPE_MEMBERS(record))
+
+
+def _digest_octets(record: ReplicaRecord) -> bytes:
+    """The record's digests' octets in the order its tail holds them."""
+    hexes = [record.digest.removeprefix("sha-256:"), *(record.layer_digests or ())]
+    return bytes.fromhex("".join(hexes))
 
 
 def _filled(skeleton: bytes, digests: bytes | memoryview) -> bytes:
@@ -91,14 +120,37 @@ class Skeletons:
         self._number: dict[bytes, int] = {}
         self._uses: list[int] = []
         self._free: list[int] = []
+        #: each record shape's skeleton (``pack_record``)
+        self._shapes: dict[tuple[object, ...], bytes] = {}
 
     def __len__(self) -> int:
         return len(self._number)
+
+    def pack_record(self, record: ReplicaRecord, ttl_ms: int) -> bytes:
+        """``pack`` of the record's tail (``record_tail`` with ``ttl_ms``), rendered once per
+        shape: records that differ only in their block key and digests (a publisher's) share
+        their skeleton, so the JSON is written and split once for all of them. A shape whose
+        split finds more than the record's digests (another member of 64 hex digits) is
+        rendered every time."""
+        digests = _digest_octets(record)
+        shape = _shape(record, ttl_ms)
+        skeleton = self._shapes.get(shape)
+        if skeleton is None:
+            skeleton, found = split_tail(record_tail(record, ttl_ms))
+            if found != digests:
+                return self._packed(skeleton, record.block_key, found)
+            if len(self._shapes) >= MAX_SHAPES:  # publishers that vary every record
+                self._shapes.clear()
+            self._shapes[shape] = skeleton
+        return self._packed(skeleton, record.block_key, digests)
 
     def pack(self, block_key: str, tail: bytes) -> bytes:
         """The record packed: its skeleton's number (now used once more), its block key and
         its digests."""
         skeleton, digests = split_tail(tail)
+        return self._packed(skeleton, block_key, digests)
+
+    def _packed(self, skeleton: bytes, block_key: str, digests: bytes) -> bytes:
         number = self._number.get(skeleton)
         if number is None:
             if self._free:

@@ -234,7 +234,7 @@ class ReplicaTable:
         block = BlockReplicas(() if held is None else held.replicas)
         holder = sys.intern(record.publisher)
         if self._render:
-            packed = self._skeletons.pack(record.block_key, record_tail(record, ttl))
+            packed = self._skeletons.pack_record(record, ttl)
             replica = StoredReplica(space, holder, now + ttl, packed, summary, self._skeletons)
         else:
             unrendered = (
