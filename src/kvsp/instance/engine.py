@@ -202,16 +202,15 @@ class PrefixImport:
         return KvState(GrowingCache(layers), list(tokens))
 
     def _sections_of(self, block: Container) -> npt.NDArray[np.generic]:
-        """A block's sections as one [layers, 2, tokens, kv_heads, head_dim] array: a view of a
-        received container's one data region (every section the same length, K before V,
-        layer by layer), else a copy of its sections."""
+        """A block's sections as one [layers, 2, tokens, kv_heads, head_dim] array: its data
+        (every section the same length, K before V, layer by layer; a received container's is
+        a view), else a copy of its sections."""
         g = self._engine.geometry
         dtype = np.dtype(g.element.storage_dtype)
         shape = (g.layers, 2, self._engine.block_tokens, g.kv_heads, g.head_dim)
         section = self._engine.block_tokens * g.kv_heads * g.head_dim * dtype.itemsize
-        parts = block.parts
-        if len(parts) == 2 and set(block.header.lengths) == {(section, section)}:
-            return np.frombuffer(parts[1], dtype).reshape(shape)
+        if set(block.header.lengths) == {(section, section)}:
+            return np.frombuffer(block.data(), dtype).reshape(shape)
         return np.stack(
             [
                 np.stack(

@@ -148,7 +148,8 @@ class Reuse:
             for index, container in enumerate(local):
                 arrived(index, container)
 
-        await asyncio.get_running_loop().run_in_executor(None, take_local)
+        if local:
+            await asyncio.get_running_loop().run_in_executor(None, take_local)
         n = len(local)
         runs = scope_runs(blocks[n:], session.chain.scope_of, n) if self.index else []
         for _, part in runs:  # one lookup per scope: a shared prefix's first
@@ -197,9 +198,8 @@ class Reuse:
                     log.info("block from %s not loaded: %s", record.holder, exc.detail)
             return None
 
-        fetched = await asyncio.gather(
-            *(one(first + i, records) for i, records in enumerate(answer.replicas))
-        )
+        asked = answer.replicas[: len(rest)]  # an answer longer than asked for is cut
+        fetched = await asyncio.gather(*(one(first + i, rs) for i, rs in enumerate(asked)))
         found = 0
         for block, container in zip(rest, fetched, strict=False):
             if container is None:
