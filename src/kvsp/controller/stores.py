@@ -417,8 +417,11 @@ class RedisControlStore:
         return f"{self._p}{{s:{scope}}}:{name}"
 
     async def _run(self, pipe: Any) -> list[Any]:
+        """Execute ``pipe`` and always hand its connection back: the client's own execute leaks
+        it when cancelled or failed while loading the pipe's scripts."""
         try:
-            result: list[Any] = await pipe.execute()
+            async with pipe:
+                result: list[Any] = await pipe.execute()
         except _UNREACHABLE as exc:
             raise ServiceUnavailable(
                 f"the controller's Redis state is unreachable: {exc}"
