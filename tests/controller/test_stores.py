@@ -5,9 +5,7 @@ checkpoint script, the failover move, and a load that gives back what was writte
 from __future__ import annotations
 
 import asyncio
-import gc
 import uuid
-import warnings
 from collections.abc import AsyncIterator
 
 import pytest
@@ -239,48 +237,6 @@ async def test_an_unreachable_redis_is_a_503_not_a_hang() -> None:
             await store.load()
     finally:
         await store.close()
-
-
-@pytest.mark.parametrize("cancelled", [True, False])
-async def test_a_call_cut_short_while_loading_scripts_leaves_no_connection_held(
-    cancelled: bool,
-) -> None:
-    """A Redis that answers the connection's set-up and then goes silent: the lease call is
-    cancelled (a leader's task stopped) or times out while its pipe loads the scripts; the
-    connection goes back either way."""
-
-    async def silent_after_setup(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        while (header := await reader.readline()).startswith(b"*"):
-            words = []
-            for _ in range(int(header[1:])):
-                size = int((await reader.readline())[1:])
-                words.append((await reader.readexactly(size + 2))[:-2])
-            if words[0].upper() == b"SCRIPT":
-                await reader.read()
-                break
-            writer.write(b"-ERR unknown command\r\n" if words[0] == b"HELLO" else b"+OK\r\n")
-        writer.close()
-
-    server = await asyncio.start_server(silent_after_setup, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    store = RedisControlStore(f"redis://127.0.0.1:{port}/0", timeout_s=0.3)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            call = asyncio.create_task(store.acquire("http://a", LEASE_MS))
-            if cancelled:
-                await asyncio.sleep(0.1)
-                call.cancel()
-            with pytest.raises(asyncio.CancelledError if cancelled else ServiceUnavailable):
-                await call
-            del call
-            gc.collect()
-        assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
-    finally:
-        await store.close()
-        server.close()
 
 
 async def test_the_memory_store_always_leads_and_keeps_nothing() -> None:

@@ -37,9 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
-from redis.exceptions import BusyLoadingError, ResponseError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvsp.controller.hints import SessionHints
 from kvsp.controller.instances import TrackedInstance
@@ -49,10 +46,10 @@ from kvsp.core.problems import (
     InvalidInput,
     NotFound,
     NotLeader,
-    ServiceUnavailable,
     StaleEpoch,
 )
 from kvsp.core.records import InstanceState, InstanceStatusRecord, SessionCheckpoint, ShardMap
+from kvsp.redis_pipes import run_pipe
 
 __all__ = [
     "Change",
@@ -382,7 +379,6 @@ redis.call('HINCRBY', KEYS[2], 'failovers', 1)
 return {epoch, s[3]}
 """
 
-_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
 #: sessions read per round trip when a new leader loads
 LOAD_BATCH = 512
 
@@ -417,20 +413,7 @@ class RedisControlStore:
         return f"{self._p}{{s:{scope}}}:{name}"
 
     async def _run(self, pipe: Any) -> list[Any]:
-        """Execute ``pipe`` and always hand its connection back: the client's own execute leaks
-        it when cancelled or failed while loading the pipe's scripts."""
-        try:
-            async with pipe:
-                result: list[Any] = await pipe.execute()
-        except _UNREACHABLE as exc:
-            raise ServiceUnavailable(
-                f"the controller's Redis state is unreachable: {exc}"
-            ) from None
-        except ResponseError as exc:
-            raise ServiceUnavailable(
-                f"the controller's Redis state refused a write: {exc}"
-            ) from None
-        return result
+        return await run_pipe(pipe, "the controller's Redis state")
 
     def _pipe(self) -> Any:
         return self._redis.pipeline(transaction=False)

@@ -33,9 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
-from redis.exceptions import BusyLoadingError, RedisError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
 from kvsp.core.clock import Clock
 from kvsp.core.problems import CapacityExhausted, InvalidInput, ServiceUnavailable, StaleEpoch
@@ -54,6 +52,7 @@ from kvsp.index.replicas import (
 from kvsp.index.rules import IndexLimits
 from kvsp.index.statuses import STATUS_RETENTION_MS, StatusTable
 from kvsp.index.wire import answer_json, record_tail
+from kvsp.redis_pipes import run_pipe
 from kvsp.tasks import cancel_all
 
 __all__ = [
@@ -299,11 +298,7 @@ class RedisReplicaStore:
         return f"{self._p}s:{{{canonical_url(instance)}}}"
 
     async def _run(self, pipe: Any) -> list[Any]:
-        try:
-            result: list[Any] = await pipe.execute()
-        except (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError) as exc:
-            raise ServiceUnavailable(f"the Redis store is unreachable: {exc}") from None
-        return result
+        return await run_pipe(pipe, "the Redis store")
 
     async def publish(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]:
         holders = [r.publisher for r in records]
