@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvsp.core.container import Container
 from kvsp.core.problems import RecordError
 from kvsp.core.records import (
+    HolderMatch,
     InstanceState,
     InstanceStatusRecord,
     LeaseGrant,
@@ -37,6 +38,8 @@ from kvsp.core.records import (
     decode_moqt_namespace,
     split_prompt,
 )
+from tests.index.factories import COMPAT, H1, H2, SCOPE_A, SCOPE_B, keys
+from tests.index.factories import replica as replica_of
 
 HEX32 = "ab" * 32
 HEX16 = "cd" * 16
@@ -461,6 +464,48 @@ def test_prefetch_directive_rejections(changes: dict[str, Any], message: str) ->
 def test_lookup_response_lists_records_per_match() -> None:
     _rejects(LookupResponse, {"matched": 2, "replicas": [[replica()]]}, "each matched key")
     _rejects(LookupResponse, {"matched": 1, "replicas": [[]]}, "each matched key")
+
+
+_ASKED = LookupRequest(scope_id=SCOPE_A, compat_id=COMPAT, block_keys=tuple(keys(0, 1, 2, 3)))
+#: what an erring Index Service could answer at a position: the right record, one for another
+#: key, another scope, another Compatibility ID
+_CHOICES = [
+    lambda i: replica_of(i),
+    lambda i: replica_of(i + 10),
+    lambda i: replica_of(i, scope=SCOPE_B),
+    lambda i: replica_of(i, compat_id="0f" * 32),
+]
+
+
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=3), max_size=6))
+def test_an_answer_is_kept_to_the_keys_asked_and_the_records_that_name_them(
+    positions: list[list[int]],
+) -> None:
+    """Whatever the IS answers, what a client uses is a prefix of the keys asked, each with
+    exactly the records that name that key, scope and Compatibility ID."""
+    answer = LookupResponse(
+        matched=len(positions),
+        replicas=tuple(tuple(_CHOICES[c](i) for c in cs) for i, cs in enumerate(positions)),
+    )
+    kept = answer.kept_to(_ASKED)
+    expected: list[tuple[ReplicaRecord, ...]] = []
+    for i, cs in enumerate(positions[: len(_ASKED.block_keys)]):
+        right = tuple(replica_of(i) for c in cs if c == 0)
+        if not right:
+            break
+        expected.append(right)
+    assert kept.replicas == tuple(expected)
+    assert kept.matched == len(expected)
+    assert (kept is answer) == (kept.replicas == answer.replicas)
+
+
+def test_a_compact_answer_is_cut_to_the_keys_asked() -> None:
+    holders = (HolderMatch(holder=H1, blocks=6), HolderMatch(holder=H2, blocks=2))
+    kept = LookupResponse(matched=6, holders=holders).kept_to(_ASKED)
+    assert kept.matched == 4
+    assert kept.holders == (HolderMatch(holder=H1, blocks=4), holders[1])
+    fitting = LookupResponse(matched=2, holders=holders[1:])
+    assert fitting.kept_to(_ASKED) is fitting
 
 
 def test_lookup_request_bounds_the_key_list() -> None:

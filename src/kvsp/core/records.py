@@ -654,6 +654,39 @@ class LookupResponse(Record):
             raise ValueError("replicas must list at least one record for each matched key")
         return self
 
+    def kept_to(self, request: LookupRequest) -> LookupResponse:
+        """This answer as far as it answers ``request``: a record that names another block,
+        Compatibility ID or scope than the key at its position is dropped (two caches are never
+        substituted across Compatibility IDs, KVSP 3), and the prefix ends at the first key
+        left with no record or at the last key asked. An Index Service that errs or lies then
+        costs a recompute, never a wrong block."""
+        asked = request.block_keys
+        space = (request.compat_id, request.scope_id)
+        replicas: list[tuple[ReplicaRecord, ...]] = []
+        dropped = False
+        for key, records in zip(asked, self.replicas, strict=False):
+            kept = tuple(
+                r for r in records if (r.block_key, r.compat_id, r.scope_id) == (key, *space)
+            )
+            dropped = dropped or len(kept) < len(records)
+            if not kept:
+                break
+            replicas.append(kept)
+        holders = self.holders
+        if holders is not None:
+            holders = tuple(
+                h if h.blocks <= len(asked) else HolderMatch(holder=h.holder, blocks=len(asked))
+                for h in holders
+            )
+            matched = min(self.matched, len(asked))
+        else:
+            matched = len(replicas)
+        if matched == self.matched and not dropped and holders == self.holders:
+            return self
+        return LookupResponse(
+            matched=matched, replicas=tuple(replicas), estimates=self.estimates, holders=holders
+        )
+
 
 class LeaseRequest(Record):
     """KVSP 6.6's body: block keys and a TTL. A holder finds the blocks by key (a Block Key

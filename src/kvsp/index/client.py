@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 
 from kvsp.core.compat import CompatibilityDescriptor
@@ -15,6 +16,8 @@ from kvsp.core.records import (
 )
 from kvsp.index.replicas import PublishOutcome
 from kvsp.web.client import JsonClient
+
+log = logging.getLogger("kvsp.index")
 
 __all__ = ["IndexClient", "batch_body"]
 
@@ -65,8 +68,16 @@ class IndexClient(JsonClient):
         return bool((await self._send("PUT", path, descriptor.canonical())).json()["created"])
 
     async def lookup(self, request: LookupRequest) -> LookupResponse:
+        """The IS's answer, kept to what was asked (``LookupResponse.kept_to``)."""
         body = request.model_dump_json(exclude_none=True).encode()
-        return LookupResponse.parse((await self._send("POST", "lookup", body)).content)
+        answer = LookupResponse.parse((await self._send("POST", "lookup", body)).content)
+        kept = answer.kept_to(request)
+        if kept is not answer:
+            log.warning(
+                "the index answered blocks not asked for: %d of its %d matched keys kept",
+                kept.matched, answer.matched,
+            )  # fmt: skip
+        return kept
 
     async def put_status(self, status: InstanceStatusRecord) -> None:
         await self._send("PUT", "status", status.model_dump_json(exclude_none=True).encode())

@@ -198,8 +198,9 @@ class Reuse:
                     log.info("block from %s not loaded: %s", record.holder, exc.detail)
             return None
 
-        asked = answer.replicas[: len(rest)]  # an answer longer than asked for is cut
-        fetched = await asyncio.gather(*(one(first + i, rs) for i, rs in enumerate(asked)))
+        fetched = await asyncio.gather(
+            *(one(first + i, rs) for i, rs in enumerate(answer.replicas))
+        )
         found = 0
         for block, container in zip(rest, fetched, strict=False):
             if container is None:
