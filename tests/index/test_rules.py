@@ -8,9 +8,8 @@ from kvsp.auth import Principal, Role
 from kvsp.core.problems import Forbidden, RecordError
 from kvsp.index.rules import (
     authorize_lookup,
-    authorize_publish,
+    authorize_replicas,
     authorize_status,
-    authorize_withdraw,
     check_path,
 )
 from tests.index.factories import (
@@ -38,6 +37,16 @@ def _principal(roles: set[Role], scopes: set[str], holders: set[str]) -> Princip
     return Principal("p", frozenset(roles), frozenset(scopes), frozenset(holders))
 
 
+def test_every_replica_of_a_batch_is_authorized_and_the_first_refused_is_named() -> None:
+    principal = _principal({Role.HOLDER}, {SCOPE_A}, {H1})
+    authorize_replicas(principal, [replica(n) for n in range(64)])
+    batch = [replica(0), replica(1, holder=H2), replica(2, scope=SCOPE_B), replica(3)]
+    with pytest.raises(Forbidden, match="may not act for holder"):
+        authorize_replicas(principal, batch)
+    with pytest.raises(Forbidden, match=f"not authorized for scope {SCOPE_B}"):
+        authorize_replicas(principal, [*[replica(n) for n in range(8)], ref(9, scope=SCOPE_B)])
+
+
 @pytest.mark.parametrize("role", list(Role))
 @pytest.mark.parametrize("scope_ok", [True, False])
 @pytest.mark.parametrize("holder_ok", [True, False])
@@ -46,12 +55,12 @@ def test_authorization_matrix(role: Role, scope_ok: bool, holder_ok: bool) -> No
     may_publish = (
         role in (Role.HOLDER, Role.INSTANCE, Role.INGEST, Role.ADMIN) and scope_ok and holder_ok
     )
-    for action, subject in ((authorize_publish, replica(0)), (authorize_withdraw, ref(0))):
+    for subjects in ([replica(0)], [ref(0)]):
         if may_publish:
-            action(principal, subject)  # type: ignore[operator]
+            authorize_replicas(principal, subjects)
         else:
             with pytest.raises(Forbidden):
-                action(principal, subject)  # type: ignore[operator]
+                authorize_replicas(principal, subjects)
     # a scraper reads metrics, a front end places with the controller, a router asks the
     # controller, an ingest only publishes: none of them looks up
     if scope_ok and role not in (Role.METRICS, Role.FRONTEND, Role.ROUTER, Role.INGEST):

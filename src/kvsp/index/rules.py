@@ -19,9 +19,8 @@ __all__ = [
     "STATUS_ROLES",
     "IndexLimits",
     "authorize_lookup",
-    "authorize_publish",
+    "authorize_replicas",
     "authorize_status",
-    "authorize_withdraw",
     "check_path",
 ]
 
@@ -71,14 +70,15 @@ def check_path(record: ReplicaRecord, compat: str, scope: str, block_key: str) -
         raise RecordError("the record's compat_id, scope_id and block_key must match the path")
 
 
-def authorize_publish(principal: Principal, record: ReplicaRecord) -> None:
-    """KVSP 6.1: the client is the record's holder or may publish for it, and may use its
-    scope; for a moqt holder, the namespace's publisher is the holder (4.4)."""
-    authorize(principal, PUBLISH_ROLES, scope=record.scope_id, holder=record.publisher)
-
-
-def authorize_withdraw(principal: Principal, ref: ReplicaRef) -> None:
-    authorize(principal, PUBLISH_ROLES, scope=ref.scope_id, holder=ref.publisher)
+def authorize_replicas(
+    principal: Principal, replicas: Iterable[ReplicaRecord] | Iterable[ReplicaRef]
+) -> None:
+    """KVSP 6.1, for records published and replicas withdrawn: the client is each one's holder
+    or may publish for it, and may use its scope; for a moqt holder, the namespace's publisher
+    is the holder (4.4). Each distinct scope and holder is checked once, in order: a holder's
+    batch names one or two."""
+    for scope, holder in dict.fromkeys((r.scope_id, r.publisher) for r in replicas):
+        authorize(principal, PUBLISH_ROLES, scope=scope, holder=holder)
 
 
 def authorize_lookup(principal: Principal, scope_id: str) -> None:

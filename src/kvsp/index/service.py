@@ -33,9 +33,8 @@ from kvsp.index.replicas import PublishOutcome, holder_runs
 from kvsp.index.rules import (
     DESCRIPTOR_ROLES,
     authorize_lookup,
-    authorize_publish,
+    authorize_replicas,
     authorize_status,
-    authorize_withdraw,
 )
 from kvsp.index.statuses import estimate_targets
 from kvsp.index.stores import ReplicaStore
@@ -156,13 +155,11 @@ class IndexService:
     async def publish(
         self, principal: Principal, records: Sequence[ReplicaRecord]
     ) -> list[PublishOutcome]:
-        for record in records:
-            authorize_publish(principal, record)
+        authorize_replicas(principal, records)
         return await self._publish(records)
 
     async def withdraw(self, principal: Principal, refs: Sequence[ReplicaRef]) -> list[bool]:
-        for ref in refs:
-            authorize_withdraw(principal, ref)
+        authorize_replicas(principal, refs)
         return await self._withdraw(refs)
 
     async def _publish(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]:
@@ -187,10 +184,8 @@ class IndexService:
 
     async def batch(self, principal: Principal, batch: ReplicaBatch) -> bytes:
         """``POST replicas``: every entry is authorized before anything changes."""
-        for record in batch.put:
-            authorize_publish(principal, record)
-        for ref in batch.delete:
-            authorize_withdraw(principal, ref)
+        authorize_replicas(principal, batch.put)
+        authorize_replicas(principal, batch.delete)
         outcomes = await self._publish(batch.put) if batch.put else []
         removed = await self._withdraw(batch.delete) if batch.delete else []
         return batch_json([(o.created, o.ttl_ms) for o in outcomes], removed)
