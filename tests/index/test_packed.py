@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvsp.core.records import ReplicaRecord
 from kvsp.index import packed
 from kvsp.index.keytable import COMPILED, DictKeyTable, KeyTable
-from kvsp.index.packed import Skeletons, block_key_of, render_array, split_tail
+from kvsp.index.packed import Skeletons, block_key_of, record_shape, render_array, split_tail
 from kvsp.index.wire import identity_middle, identity_prefix, join_array, record_tail
 from tests.index.factories import H1, H2, key, replica
 
@@ -69,7 +69,7 @@ def test_a_record_packs_as_its_tail_does(
         if n % 3 == 2:
             record = record.model_copy(update={"holder": other_holder})
         ttl_ms = record.ttl_ms if ttl is None else ttl
-        packed = by_record.pack_record(record, ttl_ms)
+        packed = by_record.pack_record(record, ttl_ms, record_shape(record, ttl_ms))
         assert packed == by_tail.pack(record.block_key, record_tail(record, ttl_ms))
         assert by_record.tail(packed) == record_tail(record, ttl_ms)
 
@@ -79,7 +79,8 @@ def test_the_shapes_remembered_are_bounded(monkeypatch: pytest.MonkeyPatch) -> N
     skeletons = Skeletons()
     for ttl_ms in range(1, 6):
         record = replica(ttl_ms, ttl_ms=ttl_ms)
-        assert skeletons.tail(skeletons.pack_record(record, ttl_ms)) == record_tail(record, ttl_ms)
+        packed_record = skeletons.pack_record(record, ttl_ms, record_shape(record, ttl_ms))
+        assert skeletons.tail(packed_record) == record_tail(record, ttl_ms)
         assert len(skeletons._shapes) <= 2
 
 

@@ -11,10 +11,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvsp.core.clock import ManualClock
+from kvsp.core.cost import ReplicaSummary
 from kvsp.core.problems import CapacityExhausted
 from kvsp.core.records import ReplicaRecord
+from kvsp.index import replicas
 from kvsp.index.keytable import COMPILED
-from kvsp.index.replicas import ReplicaTable, array_of, holder_runs
+from kvsp.index.replicas import ReplicaTable, array_of, holder_runs, summary_of
 from kvsp.index.rules import (
     IndexLimits,
 )
@@ -235,3 +237,18 @@ def test_a_skeleton_goes_with_the_last_record_that_uses_it(
     clock.advance(2_000)
     assert table.count == 0
     assert len(table._skeletons) == 0
+
+
+def test_the_summaries_remembered_are_bounded_and_each_replica_keeps_its_own(
+    table: ReplicaTable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A publisher that varies every record's size leaves at most ``MAX_SHAPES`` summaries
+    remembered; each stored replica keeps the summary of its own record."""
+    monkeypatch.setattr(replicas, "MAX_SHAPES", 3)
+    sizes = [replica(0).size + n for n in range(10)]
+    table.publish_many([replica(n, size=size) for n, size in enumerate(sizes)])
+    assert len(table._summary_of) <= 3
+    assert len(table._summaries) <= 3
+    for n, size in enumerate(sizes):
+        (block,) = table.lookup(COMPAT, SCOPE_A, keys(n))
+        assert summary_of(block) == ReplicaSummary.of(replica(n, size=size))  # type: ignore[arg-type]

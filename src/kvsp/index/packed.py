@@ -28,7 +28,15 @@ from operator import attrgetter
 from kvsp.core.records import ReplicaRecord
 from kvsp.index.wire import IDENTITY, RECORD_OPEN, record_tail
 
-__all__ = ["Skeletons", "block_key_of", "render_array", "split_tail"]
+__all__ = [
+    "MAX_SHAPES",
+    "Shape",
+    "Skeletons",
+    "block_key_of",
+    "record_shape",
+    "render_array",
+    "split_tail",
+]
 
 #: a digest's hex digits, captured so that ``split`` answers pieces and digests in turn
 _DIGEST = re.compile(rb'(?<=[":])([0-9a-f]{64})(?=")')
@@ -57,9 +65,15 @@ _SHAPE_MEMBERS = attrgetter(
 )
 
 
-def _shape(record: ReplicaRecord, ttl_ms: int) -> tuple[object, ...]:
+#: what a record's skeleton follows from (``record_shape``)
+Shape = tuple[object, ...]
+
+
+def record_shape(record: ReplicaRecord, ttl_ms: int) -> Shape:
     """What a record's skeleton follows from: every member of its tail but the digests' hex
-    (the granted TTL for its own), and how many layer digests it has."""
+    (the granted TTL for its own), and how many layer digests it has. Everything else the
+    store derives from a record but its identity and digests (its cost summary) follows from
+    it too, so the store keys that by the same shape."""
     layers = None if record.layer_digests is None else len(record.layer_digests)
     return (ttl_ms, layers, _SHAPE_MEMBERS(record))
 
@@ -126,14 +140,13 @@ class Skeletons:
     def __len__(self) -> int:
         return len(self._number)
 
-    def pack_record(self, record: ReplicaRecord, ttl_ms: int) -> bytes:
+    def pack_record(self, record: ReplicaRecord, ttl_ms: int, shape: Shape) -> bytes:
         """``pack`` of the record's tail (``record_tail`` with ``ttl_ms``), rendered once per
-        shape: records that differ only in their block key and digests (a publisher's) share
-        their skeleton, so the JSON is written and split once for all of them. A shape whose
-        split finds more than the record's digests (another member of 64 hex digits) is
-        rendered every time."""
+        ``shape`` (``record_shape(record, ttl_ms)``): records that differ only in their block
+        key and digests (a publisher's) share their skeleton, so the JSON is written and split
+        once for all of them. A shape whose split finds more than the record's digests
+        (another member of 64 hex digits) is rendered every time."""
         digests = _digest_octets(record)
-        shape = _shape(record, ttl_ms)
         skeleton = self._shapes.get(shape)
         if skeleton is None:
             skeleton, found = split_tail(record_tail(record, ttl_ms))

@@ -29,7 +29,7 @@ from kvsp.core.cost import ReplicaSummary
 from kvsp.core.problems import CapacityExhausted
 from kvsp.core.records import ReplicaRecord, ReplicaRef
 from kvsp.index.keytable import KeyTable, StoredReplica, holder_runs, render_array, untrack
-from kvsp.index.packed import Skeletons
+from kvsp.index.packed import MAX_SHAPES, Shape, Skeletons, record_shape
 from kvsp.index.rules import IndexLimits
 from kvsp.index.wire import (
     ANSWER_END,
@@ -172,7 +172,7 @@ class ReplicaTable:
         self._deadlines: list[StoredReplica] = []
         untrack(self._deadlines)
         self._summaries: dict[ReplicaSummary, ReplicaSummary] = {}
-        self._summary_of: dict[tuple[object, ...], ReplicaSummary] = {}
+        self._summary_of: dict[Shape, ReplicaSummary] = {}
         self._space_names: dict[Space, Space] = {}
         self._skeletons = Skeletons()
         self._by_scope: dict[str, int] = {}
@@ -222,30 +222,30 @@ class ReplicaTable:
         if blocks is None:
             blocks = self._spaces[space] = KeyTable(identity_middle(space), self._skeletons.listed)
             untrack(blocks)
-        # the layer count follows from the residency unless the layer digests name it
-        layers = None if record.layer_digests is None else len(record.layer_digests)
-        residency = tuple((r.tier, r.layers, r.read_mbit_per_s) for r in record.residency)
-        summary_key = (record.holder, record.size, layers, residency)
-        summary = self._summary_of.get(summary_key)
-        if summary is None:  # equal records share one summary, built once
-            built = ReplicaSummary.of(record)
-            summary = self._summary_of[summary_key] = self._summaries.setdefault(built, built)
-        held = blocks.get(record.block_key)
-        block = BlockReplicas(() if held is None else held.replicas)
+        shape = record_shape(record, ttl)
+        summary = self._summary_of.get(shape)
+        if summary is None:
+            summary = self._summary(record, shape)
         holder = sys.intern(record.publisher)
         if self._render:
-            packed = self._skeletons.pack_record(record, ttl)
+            packed = self._skeletons.pack_record(record, ttl, shape)
             replica = StoredReplica(space, holder, now + ttl, packed, summary, self._skeletons)
         else:
             unrendered = (
                 record if record.ttl_ms == ttl else record.model_copy(update={"ttl_ms": ttl})
             )
             replica = StoredReplica(space, holder, now + ttl, unrendered, summary)
-        replaced = block.put(replica)
-        created = replaced is None
-        if replaced is not None:
-            released(replaced)
-        self._set(blocks, record.block_key, block)
+        held = blocks.get(record.block_key)
+        if held is None:  # most publishes: a new block, held as its one replica
+            replicas: tuple[StoredReplica, ...] = (replica,)
+            created = True
+        else:
+            block = BlockReplicas(held.replicas)
+            replaced = block.put(replica)
+            if replaced is not None:
+                released(replaced)
+            replicas, created = block.replicas, replaced is None
+        self._set(blocks, record.block_key, replicas)
         heapq.heappush(self._deadlines, replica)
         if created:
             self._count += 1
@@ -254,19 +254,28 @@ class ReplicaTable:
             self._compact()
         return PublishOutcome(created, ttl)
 
-    def _set(self, blocks: KeyTable[Block], key: str, block: BlockReplicas) -> None:
+    def _summary(self, record: ReplicaRecord, shape: Shape) -> ReplicaSummary:
+        """The cost summary of records of ``shape``, built once and shared by equal ones; the
+        memo is bounded as the skeletons' shapes are, so a publisher that varies every record
+        (its sizes, its TTLs) leaves no more than ``MAX_SHAPES`` behind."""
+        if len(self._summary_of) >= MAX_SHAPES:
+            self._summary_of.clear()
+            self._summaries.clear()
+        built = ReplicaSummary.of(record)
+        summary = self._summary_of[shape] = self._summaries.setdefault(built, built)
+        return summary
+
+    def _set(self, blocks: KeyTable[Block], key: str, replicas: tuple[StoredReplica, ...]) -> None:
         """(Re)enter a changed block's replicas with their records packed, which lookups
         render. A block of one replica is held as the replica (96 octets fewer a block), its
         payload the replica itself (its packed octets, not a copy)."""
-        replicas = block.replicas
-        untrack(block, replicas)
-        held = block.held
-        if not self._render:
-            blocks.put(key, held, None)
-        elif isinstance(held, BlockReplicas):
-            blocks.put(key, held, b"".join(r.packed for r in replicas))
-        else:
-            blocks.put(key, held, held)
+        if len(replicas) == 1:
+            (only,) = replicas
+            blocks.put(key, only, only if self._render else None)
+            return
+        held = BlockReplicas(replicas)
+        untrack(held, replicas)
+        blocks.put(key, held, b"".join(r.packed for r in replicas) if self._render else None)
 
     def withdraw(self, ref: ReplicaRef) -> bool:
         self.expire()
@@ -287,7 +296,7 @@ class ReplicaTable:
             if not blocks:
                 del self._spaces[space]
         else:
-            self._set(blocks, block_key, block)
+            self._set(blocks, block_key, block.replicas)
         self._count -= 1
         scope = space[1]
         remaining = self._by_scope[scope] - 1
