@@ -35,6 +35,7 @@ from kvsp.core.records import (
     ShardMap,
     StateAnswer,
     StateChange,
+    TargetEstimate,
     decode_moqt_namespace,
     split_prompt,
 )
@@ -486,6 +487,7 @@ def test_an_answer_is_kept_to_the_keys_asked_and_the_records_that_name_them(
     answer = LookupResponse(
         matched=len(positions),
         replicas=tuple(tuple(_CHOICES[c](i) for c in cs) for i, cs in enumerate(positions)),
+        estimates=(TargetEstimate(target=H1, fetch_us=1.0, recompute_us=2.0),),
     )
     kept = answer.kept_to(_ASKED)
     expected: list[tuple[ReplicaRecord, ...]] = []
@@ -497,6 +499,7 @@ def test_an_answer_is_kept_to_the_keys_asked_and_the_records_that_name_them(
     assert kept.replicas == tuple(expected)
     assert kept.matched == len(expected)
     assert (kept is answer) == (kept.replicas == answer.replicas)
+    assert kept.estimates == (answer.estimates if kept is answer else ())  # they priced the rest
 
 
 def test_a_compact_answer_is_cut_to_the_keys_asked() -> None:

@@ -659,7 +659,8 @@ class LookupResponse(Record):
         Compatibility ID or scope than the key at its position is dropped (two caches are never
         substituted across Compatibility IDs, KVSP 3), and the prefix ends at the first key
         left with no record or at the last key asked. An Index Service that errs or lies then
-        costs a recompute, never a wrong block."""
+        costs a recompute, never a wrong block. A changed answer has no estimates: they priced
+        the answer as it came."""
         asked = request.block_keys
         space = (request.compat_id, request.scope_id)
         replicas: list[tuple[ReplicaRecord, ...]] = []
@@ -683,9 +684,7 @@ class LookupResponse(Record):
             matched = len(replicas)
         if matched == self.matched and not dropped and holders == self.holders:
             return self
-        return LookupResponse(
-            matched=matched, replicas=tuple(replicas), estimates=self.estimates, holders=holders
-        )
+        return LookupResponse(matched=matched, replicas=tuple(replicas), holders=holders)
 
 
 class LeaseRequest(Record):
