@@ -673,17 +673,15 @@ class LookupResponse(Record):
             if not kept:
                 break
             replicas.append(kept)
-        holders = self.holders
-        if holders is not None:
-            holders = tuple(
-                h if h.blocks <= len(asked) else HolderMatch(holder=h.holder, blocks=len(asked))
-                for h in holders
-            )
-            matched = min(self.matched, len(asked))
-        else:
-            matched = len(replicas)
-        if matched == self.matched and not dropped and holders == self.holders:
+        # a compact answer's longest holder run is its match: only a longer one than asked is cut
+        matched = len(replicas) if self.holders is None else min(self.matched, len(asked))
+        if matched == self.matched and not dropped:
             return self
+        holders = None
+        if self.holders is not None:
+            holders = tuple(
+                HolderMatch(holder=h.holder, blocks=min(h.blocks, matched)) for h in self.holders
+            )
         return LookupResponse(matched=matched, replicas=tuple(replicas), holders=holders)
 
 

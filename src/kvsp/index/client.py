@@ -17,9 +17,9 @@ from kvsp.core.records import (
 from kvsp.index.replicas import PublishOutcome
 from kvsp.web.client import JsonClient
 
-log = logging.getLogger("kvsp.index")
-
 __all__ = ["IndexClient", "batch_body"]
+
+log = logging.getLogger("kvsp.index")
 
 
 def batch_body(rendered: Sequence[bytes], delete: Sequence[ReplicaRef] = ()) -> bytes:

@@ -135,7 +135,7 @@ class Skeletons:
         self._uses: list[int] = []
         self._free: list[int] = []
         #: each record shape's skeleton (``pack_record``)
-        self._shapes: dict[tuple[object, ...], bytes] = {}
+        self._shapes: dict[Shape, bytes] = {}
 
     def __len__(self) -> int:
         return len(self._number)
