@@ -18,7 +18,8 @@ SRC    := src tests benchmarks
 DYNAMO := build/peers/dynamo
 DYNAMO_STAMP := $(DYNAMO)/.installed
 
-$(STAMP): pyproject.toml setup.py src/kvsp/index/_keytable.c src/kvsp/core/_sha256.c
+$(STAMP): pyproject.toml setup.py src/kvsp/index/_keytable.c src/kvsp/index/_puts.c \
+		src/kvsp/index/_hex.h src/kvsp/core/_sha256.c
 	@command -v cc >/dev/null 2>&1 && python3 -c 'import pathlib, sys, sysconfig; \
 		sys.exit(not pathlib.Path(sysconfig.get_paths()["include"], "Python.h").exists())' || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive \

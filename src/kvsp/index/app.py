@@ -115,8 +115,8 @@ def create_app(
 
     async def batch(request: Request) -> Response:
         principal = principal_of(request.scope)
-        parsed = ReplicaBatch.parse(await read_json_body(request, max_body_octets))
-        return json_response(await service.batch(principal, parsed))
+        body = await read_json_body(request, max_body_octets)
+        return json_response(await service.batch_body(principal, body))
 
     async def lookup(scope: Scope, receive: Receive, send: Send) -> None:
         """The hottest route, as a bare ASGI endpoint: no request or response objects."""

@@ -65,8 +65,8 @@ _SHAPE_MEMBERS = attrgetter(
 )
 
 
-#: what a record's skeleton follows from (``record_shape``)
-Shape = tuple[object, ...]
+#: what a record's skeleton follows from: ``record_shape``, or a split batch's shape text
+Shape = tuple[object, ...] | bytes
 
 
 def record_shape(record: ReplicaRecord, ttl_ms: int) -> Shape:
@@ -140,30 +140,38 @@ class Skeletons:
     def __len__(self) -> int:
         return len(self._number)
 
-    def pack_record(self, record: ReplicaRecord, ttl_ms: int, shape: Shape) -> bytes:
-        """``pack`` of the record's tail (``record_tail`` with ``ttl_ms``), rendered once per
-        ``shape`` (``record_shape(record, ttl_ms)``): records that differ only in their block
-        key and digests (a publisher's) share their skeleton, so the JSON is written and split
-        once for all of them. A shape whose split finds more than the record's digests
-        (another member of 64 hex digits) is rendered every time."""
-        digests = _digest_octets(record)
+    def skeleton(self, record: ReplicaRecord, ttl_ms: int, shape: Shape) -> bytes | None:
+        """The skeleton of the record's tail (``record_tail`` with ``ttl_ms``), rendered once
+        per ``shape`` (``record_shape(record, ttl_ms)``, or the text a split batch's records
+        share): records that differ only in their block key and digests (a publisher's) share
+        it, so the JSON is written and split once for all of them. None for a shape whose
+        split finds more than the record's digests (another member of 64 hex digits): its
+        records are packed one by one."""
         skeleton = self._shapes.get(shape)
         if skeleton is None:
             skeleton, found = split_tail(record_tail(record, ttl_ms))
-            if found != digests:
-                return self._packed(skeleton, record.block_key, found)
+            if found != _digest_octets(record):
+                return None
             if len(self._shapes) >= MAX_SHAPES:  # publishers that vary every record
                 self._shapes.clear()
             self._shapes[shape] = skeleton
-        return self._packed(skeleton, record.block_key, digests)
+        return skeleton
+
+    def pack_record(self, record: ReplicaRecord, ttl_ms: int, shape: Shape) -> bytes:
+        """``pack`` of the record's tail, from its shape's ``skeleton`` where it has one."""
+        skeleton = self.skeleton(record, ttl_ms, shape)
+        if skeleton is None:
+            return self.pack(record.block_key, record_tail(record, ttl_ms))
+        return self.packed(skeleton, bytes.fromhex(record.block_key) + _digest_octets(record))
 
     def pack(self, block_key: str, tail: bytes) -> bytes:
         """The record packed: its skeleton's number (now used once more), its block key and
         its digests."""
         skeleton, digests = split_tail(tail)
-        return self._packed(skeleton, block_key, digests)
+        return self.packed(skeleton, bytes.fromhex(block_key) + digests)
 
-    def _packed(self, skeleton: bytes, block_key: str, digests: bytes) -> bytes:
+    def packed(self, skeleton: bytes, key_and_digests: bytes) -> bytes:
+        """A record of ``skeleton`` packed from its block key's and digests' octets."""
         number = self._number.get(skeleton)
         if number is None:
             if self._free:
@@ -175,7 +183,7 @@ class Skeletons:
                 self._uses.append(0)
             self._number[skeleton] = number
         self._uses[number] += 1
-        return _NUMBER.pack(number) + bytes.fromhex(block_key) + digests
+        return _NUMBER.pack(number) + key_and_digests
 
     def release(self, packed: bytes) -> None:
         """A record packed by ``pack`` is gone: its skeleton is used once less."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvsp.core.clock import Clock
@@ -30,6 +30,7 @@ from kvsp.core.problems import CapacityExhausted
 from kvsp.core.records import ReplicaRecord, ReplicaRef
 from kvsp.index.keytable import KeyTable, StoredReplica, holder_runs, render_array, untrack
 from kvsp.index.packed import MAX_SHAPES, Shape, Skeletons, record_shape
+from kvsp.index.puts import RecordShape, SharedPuts
 from kvsp.index.rules import IndexLimits
 from kvsp.index.wire import (
     ANSWER_END,
@@ -198,30 +199,74 @@ class ReplicaTable:
 
     def publish_many(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]:
         """Publish a batch atomically: either every record is stored or none is."""
+        now = self._room_for(
+            [r.scope_id for r in records],
+            lambda: ((r.compat_id, r.scope_id, r.block_key, r.publisher) for r in records),
+        )
+        return [self._store(record, now) for record in records]
+
+    def publish_shared(self, puts: SharedPuts) -> list[PublishOutcome]:
+        """``publish_many`` of a split batch's records: each packed from its shape's skeleton
+        and its identity's octets, never made a record (a shape whose skeleton is not shared,
+        or a store that renders nothing, takes them as records)."""
+        if not self._render:
+            return self.publish_many(puts.records())
+        now = self._room_for(
+            list(puts.scopes()),
+            lambda: ((r.compat_id, r.scope_id, r.block_key, r.publisher) for r in puts.records()),
+        )
+        outcomes, last, last_space, skeletons = [], None, b"", self._skeletons
+        for i, shape in enumerate(puts.shapes):
+            identity = puts.identity(i)
+            if shape is not last:
+                last, (ttl, summary, skeleton) = shape, self._shared(shape)
+            if skeleton is None:
+                outcomes.append(self._store(puts.record(i), now))
+                continue
+            if identity[:48] != last_space:
+                last_space = identity[:48]
+                space = self._space(identity[:32].hex(), identity[32:48].hex())
+            packed = skeletons.packed(skeleton, identity[48:])
+            replica = StoredReplica(space, shape.publisher, now + ttl, packed, summary, skeletons)
+            outcomes.append(self._enter(replica, identity[48:80].hex(), ttl))
+        return outcomes
+
+    def _room_for(
+        self, scopes: list[str], slots: Callable[[], Iterable[tuple[str, str, str, str]]]
+    ) -> int:
+        """``CapacityExhausted`` unless the records fit: the scope of each (``scopes``), and
+        where that is too many, which of their ``slots`` (compat, scope, block key, holder)
+        are new; the clock reading, after expiry, otherwise."""
         now = self.expire()
         held = self._by_scope.get
         try:  # every record new at most: cannot pass a limit
-            self._limits.check_room(
-                self._count, (r.scope_id for r in records), lambda s: held(s, 0)
-            )
+            self._limits.check_room(self._count, scopes, lambda s: held(s, 0))
         except CapacityExhausted:
             new = set()
-            for r in records:
-                holder = r.publisher
-                block = self._block((r.compat_id, r.scope_id), r.block_key)
+            for compat, scope, block_key, holder in slots():
+                block = self._block((compat, scope), block_key)
                 if block is None or all(r.holder != holder for r in block.replicas):
-                    new.add((r.compat_id, r.scope_id, r.block_key, holder))
+                    new.add((compat, scope, block_key, holder))
             self._limits.check_room(self._count, (n[1] for n in new), lambda s: held(s, 0))
-        return [self._store(record, now) for record in records]
+        return now
+
+    def _shared(self, shape: RecordShape) -> tuple[int, ReplicaSummary, bytes | None]:
+        """What every record of a split batch's shape is stored with: its granted TTL, its
+        cost summary and its skeleton (None where its records are packed one by one)."""
+        record = shape.record
+        ttl = min(record.ttl_ms, self._limits.max_ttl_ms)
+        summary = self._summary_of.get(shape.text)
+        if summary is None:
+            summary = self._summary(record, shape.text)
+        return ttl, summary, self._skeletons.skeleton(record, ttl, shape.text)
+
+    def _space(self, compat: str, scope: str) -> Space:
+        named = (compat, scope)
+        return self._space_names.setdefault(named, named)  # one tuple per space, shared
 
     def _store(self, record: ReplicaRecord, now: int) -> PublishOutcome:
         ttl = min(record.ttl_ms, self._limits.max_ttl_ms)
-        named = (record.compat_id, record.scope_id)
-        space = self._space_names.setdefault(named, named)  # one tuple per space, shared
-        blocks = self._spaces.get(space)
-        if blocks is None:
-            blocks = self._spaces[space] = KeyTable(identity_middle(space), self._skeletons.listed)
-            untrack(blocks)
+        space = self._space(record.compat_id, record.scope_id)
         shape = record_shape(record, ttl)
         summary = self._summary_of.get(shape)
         if summary is None:
@@ -235,7 +280,17 @@ class ReplicaTable:
                 record if record.ttl_ms == ttl else record.model_copy(update={"ttl_ms": ttl})
             )
             replica = StoredReplica(space, holder, now + ttl, unrendered, summary)
-        held = blocks.get(record.block_key)
+        return self._enter(replica, record.block_key, ttl)
+
+    def _enter(self, replica: StoredReplica, block_key: str, ttl: int) -> PublishOutcome:
+        """Hold the replica for its block in its space: a new block's one, or in place of its
+        holder's earlier one."""
+        space = replica.space
+        blocks = self._spaces.get(space)
+        if blocks is None:
+            blocks = self._spaces[space] = KeyTable(identity_middle(space), self._skeletons.listed)
+            untrack(blocks)
+        held = blocks.get(block_key)
         if held is None:  # most publishes: a new block, held as its one replica
             replicas: tuple[StoredReplica, ...] = (replica,)
             created = True
@@ -245,11 +300,12 @@ class ReplicaTable:
             if replaced is not None:
                 released(replaced)
             replicas, created = block.replicas, replaced is None
-        self._set(blocks, record.block_key, replicas)
+        self._set(blocks, block_key, replicas)
         heapq.heappush(self._deadlines, replica)
         if created:
             self._count += 1
-            self._by_scope[record.scope_id] = self._by_scope.get(record.scope_id, 0) + 1
+            scope = space[1]
+            self._by_scope[scope] = self._by_scope.get(scope, 0) + 1
         if len(self._deadlines) > 2 * self._count + 1024:
             self._compact()
         return PublishOutcome(created, ttl)

@@ -18,6 +18,7 @@ __all__ = [
     "PUBLISH_ROLES",
     "STATUS_ROLES",
     "IndexLimits",
+    "authorize_holders",
     "authorize_lookup",
     "authorize_replicas",
     "authorize_status",
@@ -75,9 +76,14 @@ def authorize_replicas(
 ) -> None:
     """KVSP 6.1, for records published and replicas withdrawn: the client is each one's holder
     or may publish for it, and may use its scope; for a moqt holder, the namespace's publisher
-    is the holder (4.4). Each distinct scope and holder is checked once, in order: a holder's
-    batch names one or two."""
-    for scope, holder in dict.fromkeys((r.scope_id, r.publisher) for r in replicas):
+    is the holder (4.4)."""
+    authorize_holders(principal, ((r.scope_id, r.publisher) for r in replicas))
+
+
+def authorize_holders(principal: Principal, holders: Iterable[tuple[str, str]]) -> None:
+    """``authorize_replicas`` of replicas named by their scopes and publishers. Each distinct
+    pair is checked once, in order: a holder's batch names one or two."""
+    for scope, holder in dict.fromkeys(holders):
         authorize(principal, PUBLISH_ROLES, scope=scope, holder=holder)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -28,10 +28,12 @@ from kvsp.core.records import (
     ReplicaRecord,
     ReplicaRef,
 )
+from kvsp.index.puts import RecordShapes
 from kvsp.index.queries import LookupQuery
 from kvsp.index.replicas import PublishOutcome, holder_runs
 from kvsp.index.rules import (
     DESCRIPTOR_ROLES,
+    authorize_holders,
     authorize_lookup,
     authorize_replicas,
     authorize_status,
@@ -129,6 +131,8 @@ class IndexService:
         #: configured ones, and those registered and read back (an ID names one descriptor,
         #: so what is known never changes)
         self._block_tokens = {d.compat_id().hex(): d.block_tokens for d in descriptors}
+        #: the shapes of split publish batches validated so far (``batch_body``)
+        self._shapes = RecordShapes()
 
     async def register(self, principal: Principal, compat: str, body: bytes) -> bool:
         """``PUT descriptors/{compat}``: a holder or instance says what its Compatibility ID
@@ -162,14 +166,20 @@ class IndexService:
         authorize_replicas(principal, refs)
         return await self._withdraw(refs)
 
-    async def _publish(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]:
-        for record in records:  # records bounded in octets: refused before anything changes
+    def _check_layers(self, records: Iterable[ReplicaRecord]) -> None:
+        """Records are bounded in octets: refused before anything changes."""
+        for record in records:
             if record.layer_count > self.max_layers:
                 raise RecordError(
                     f"record of {record.block_key} names {record.layer_count} layers; this "
                     f"Index Service takes at most {self.max_layers}"
                 )
-        outcomes = await self.store.publish(records)
+
+    async def _publish(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]:
+        self._check_layers(records)
+        return self._counted(await self.store.publish(records))
+
+    def _counted(self, outcomes: list[PublishOutcome]) -> list[PublishOutcome]:
         # counted once per batch: a labelled counter per record cost 3 % of an ingest
         created = sum(outcome.created for outcome in outcomes)
         for kind, count in (("created", created), ("refreshed", len(outcomes) - created)):
@@ -189,6 +199,18 @@ class IndexService:
         outcomes = await self._publish(batch.put) if batch.put else []
         removed = await self._withdraw(batch.delete) if batch.delete else []
         return batch_json([(o.created, o.ttl_ms) for o in outcomes], removed)
+
+    async def batch_body(self, principal: Principal, body: bytes) -> bytes:
+        """``batch`` of a request's body: a holder's plain batch of records is split, each
+        distinct shape of record validated once and each record's identity taken as checked
+        by the splitter (decision 0030); any other body is parsed whole."""
+        puts = self._shapes.split(body)
+        if puts is None:
+            return await self.batch(principal, ReplicaBatch.parse(body))
+        authorize_holders(principal, puts.holders())
+        self._check_layers(shape.record for shape in dict.fromkeys(puts.shapes))
+        outcomes = self._counted(await self.store.publish_shared(puts))
+        return batch_json([(o.created, o.ttl_ms) for o in outcomes], [])
 
     async def lookup(self, principal: Principal, query: LookupQuery) -> bytes:
         """The answer's JSON: without estimates to make, straight from the store's ``answer``

@@ -40,6 +40,7 @@ from kvsp.core.problems import CapacityExhausted, InvalidInput, ServiceUnavailab
 from kvsp.core.records import InstanceStatusRecord, ReplicaRecord, ReplicaRef
 from kvsp.core.urls import canonical_url
 from kvsp.index.packed import Skeletons
+from kvsp.index.puts import SharedPuts
 from kvsp.index.replicas import (
     Block,
     BlockReplicas,
@@ -81,6 +82,10 @@ class ReplicaStore(Protocol):
     name: str
 
     async def publish(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]: ...
+
+    async def publish_shared(self, puts: SharedPuts) -> list[PublishOutcome]:
+        """``publish`` of a split batch's records (``puts.records()``)."""
+        ...
 
     async def withdraw(self, refs: Sequence[ReplicaRef]) -> list[bool]: ...
 
@@ -134,6 +139,9 @@ class MemoryReplicaStore:
 
     async def publish(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]:
         return self.table.publish_many(records)
+
+    async def publish_shared(self, puts: SharedPuts) -> list[PublishOutcome]:
+        return self.table.publish_shared(puts)
 
     async def withdraw(self, refs: Sequence[ReplicaRef]) -> list[bool]:
         return [self.table.withdraw(ref) for ref in refs]
@@ -299,6 +307,9 @@ class RedisReplicaStore:
 
     async def _run(self, pipe: Any) -> list[Any]:
         return await run_pipe(pipe, "the Redis store")
+
+    async def publish_shared(self, puts: SharedPuts) -> list[PublishOutcome]:
+        return await self.publish(puts.records())  # a script takes each record whole
 
     async def publish(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]:
         holders = [r.publisher for r in records]

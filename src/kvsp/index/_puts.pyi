@@ -1,0 +1,3 @@
+"""Types of the compiled splitter of publish batches (``_puts.c``)."""
+
+def split_puts(body: bytes, /) -> tuple[bytes, list[bytes]] | None: ...
