@@ -17,7 +17,13 @@ from kvsp.core.clock import ManualClock
 from kvsp.core.problems import Forbidden, KvspError, RecordError
 from kvsp.core.records import MAX_BATCH_ENTRIES, ReplicaBatch, ReplicaRecord
 from kvsp.index import puts as puts_module
-from kvsp.index.puts import IDENTITY_OCTETS, MAX_REMEMBERED, RecordShapes, split_puts
+from kvsp.index.puts import (
+    IDENTITY_OCTETS,
+    MAX_REMEMBERED,
+    MAX_SHAPE_OCTETS,
+    RecordShapes,
+    split_puts,
+)
 from kvsp.index.replicas import ReplicaTable
 from kvsp.index.rules import IndexLimits
 from kvsp.index.service import IndexService
@@ -103,6 +109,9 @@ LAYERED = [hashlib.sha256(b"%d" % i).digest() for i in range(4)]
             ]
         ),
         body_of([replica(0)]) + b"x",
+        body_of([replica(0)]).replace(
+            b'"codec"', b'"pad":"%s","codec"' % (b"x" * MAX_SHAPE_OCTETS)
+        ),
         body_of([replica(0)])[:-1],
         body_of([replica(n) for n in range(MAX_BATCH_ENTRIES + 1)]),
     ],

@@ -9,7 +9,8 @@ an identity as a whole ``ReplicaRecord``: no check of a record ties its identity
 (the one that would, a digest against its layer digests, keeps a record from being split), so
 the shape is valid for every identity. ``RecordShapes`` remembers the shapes it validated, so a
 holder's next batches parse none. Without the compiled splitter, or for any body it does not
-split (an escape, a ``delete``, a record with layer digests, anything malformed), callers parse
+split (an escape, a ``delete``, a record with layer digests, a shape longer than
+``MAX_SHAPE_OCTETS``, anything malformed), callers parse
 the body the slow way, which refuses what is wrong with a precise error.
 """
 
@@ -33,12 +34,23 @@ except ImportError:  # built without a C compiler: every batch is parsed whole
     split_puts = _split_nothing
 
 
-__all__ = ["IDENTITY_OCTETS", "RecordShape", "RecordShapes", "SharedPuts", "split_puts"]
+__all__ = [
+    "IDENTITY_OCTETS",
+    "MAX_REMEMBERED",
+    "MAX_SHAPE_OCTETS",
+    "RecordShape",
+    "RecordShapes",
+    "SharedPuts",
+    "split_puts",
+]
 
 #: a split record's identity: Compatibility ID (32 octets), scope (16), block key (32), digest
 IDENTITY_OCTETS = 112
 #: shapes remembered at most (a holder publishes a few; each is a record and its text)
 MAX_REMEMBERED = 1024
+#: the longest shape split (a holder's is about 350 octets): a longer one, its text a key of
+#: the store's memos too, would let a publisher pin megabytes a shape; its batch is parsed whole
+MAX_SHAPE_OCTETS = 4096
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -123,6 +135,8 @@ class RecordShapes:
         known, shapes, last = self._known, [], None
         for at, text in zip(range(0, len(identities), IDENTITY_OCTETS), texts, strict=True):
             if text is not last:  # the splitter makes one object of a run of equal shapes
+                if len(text) > MAX_SHAPE_OCTETS:
+                    return None
                 found = known.get(text) or self._learn(identities[at : at + IDENTITY_OCTETS], text)
                 if found is None:
                     return None
