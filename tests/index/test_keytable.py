@@ -343,6 +343,14 @@ assert len(table.lookup(COMPAT, SCOPE_A, query.block_keys)) == 2
 matched, answer = table.answer(COMPAT, SCOPE_A, query.block_keys)
 assert matched == 2 and key(1).encode() in answer
 assert sha256.sha256_ranges(b"abc", [(0, 3)]) == [hashlib.sha256(b"abc").digest()]
+from kvsp.index import puts
+if puts.split_puts is not puts._split_nothing:  # the splitter built, the table not
+    records = [replica(2), replica(3), replica(1)]
+    rendered = b",".join(r.model_dump_json(exclude_none=True).encode() for r in records)
+    split = puts.RecordShapes().split(b'{"put":[%s]}' % rendered)
+    assert split is not None
+    assert [o.created for o in table.publish_shared(split)] == [True, True, False]
+    assert table.answer(COMPAT, SCOPE_A, [key(0), key(1), key(2), key(3)])[0] == 4
 print("ok")
 """
     done = subprocess.run(
@@ -478,3 +486,28 @@ def test_holder_runs_refuse_blocks_of_anything_but_replicas(impl: str) -> None:
     table.put(key(0), Many([Value(0)]), None)  # a list, not a tuple
     with pytest.raises((TypeError, AttributeError)):
         table.holder_runs([key(0)])
+
+
+@replicas
+def test_a_run_is_stored_into_new_blocks_until_one_is_held(impl: str) -> None:
+    """``put_run``: replicas packed from the run's head and each identity's key and digest,
+    held as their blocks and pushed on the heap, up to the first block held already."""
+    replica_type, table_type = REPLICAS[impl]
+    table, deadlines, summary = table_type(IDENTITY, SKELETONS.listed), [], object()
+    digest = hashlib.sha256(b"digest").digest()
+    identities = b"".join(b"\0" * 48 + bytes.fromhex(key(n)) + digest for n in range(5))
+    head = packed(0)[:4]
+    table.put(key(3), Value(3), None)
+    stopped = table.put_run(identities, 1, 5, head, SPACE, "h", 9, summary, SKELETONS, deadlines)
+    assert stopped == 3
+    assert table.put_run(identities, 4, 5, head, SPACE, "h", 9, summary, SKELETONS, deadlines) == 5
+    assert table.get(key(0)) is None
+    for n in (1, 2, 4):
+        stored = table.get(key(n))
+        assert isinstance(stored, replica_type)
+        assert stored.packed == head + bytes.fromhex(key(n)) + digest
+        assert (stored.space, stored.holder, stored.expires_at) == (SPACE, "h", 9)
+        assert stored.summary is summary
+        assert stored.packed_by is SKELETONS
+    assert sorted(r.block_key for r in deadlines) == sorted([key(1), key(2), key(4)])
+    assert table.put_run(identities, 5, 5, head, SPACE, "h", 9, summary, SKELETONS, deadlines) == 5

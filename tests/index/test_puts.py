@@ -57,10 +57,28 @@ def test_a_holders_batch_is_split_into_one_shape() -> None:
     split = RecordShapes().split(body_of(records, ',"delete":[]'))
     assert split is not None
     assert len(split.identities) == 64 * IDENTITY_OCTETS
-    assert len({id(s) for s in split.shapes}) == 1
+    assert [(r.start, r.stop) for r in split.runs] == [(0, 64)]
     assert split.records() == records
     assert split.holders() == [(SCOPE_A, H1)]
-    assert list(split.scopes()) == [SCOPE_A] * 64
+    assert split.scope_counts() == {SCOPE_A: 64}
+
+
+def test_runs_end_where_the_shape_or_the_space_changes() -> None:
+    records = [
+        replica(0),
+        replica(1),
+        replica(2, scope=SCOPE_B),
+        replica(3, holder=H2, scope=SCOPE_B),
+        replica(4, holder=H2, scope=SCOPE_B),
+        replica(5),
+    ]
+    split = RecordShapes().split(body_of(records))
+    assert split is not None
+    assert [(r.start, r.stop) for r in split.runs] == [(0, 2), (2, 3), (3, 5), (5, 6)]
+    assert split.runs[0].shape is split.runs[1].shape is split.runs[3].shape
+    assert split.records() == records
+    assert split.holders() == [(SCOPE_A, H1), (SCOPE_B, H1), (SCOPE_B, H2)]
+    assert split.scope_counts() == {SCOPE_A: 3, SCOPE_B: 3}
 
 
 def test_shapes_are_remembered_and_forgotten_together() -> None:
@@ -69,7 +87,7 @@ def test_shapes_are_remembered_and_forgotten_together() -> None:
     again = shapes.split(body_of([replica(1)]))
     assert first is not None
     assert again is not None
-    assert again.shapes[0] is first.shapes[0]  # validated once
+    assert again.runs[0].shape is first.runs[0].shape  # validated once
     for ttl in range(2, MAX_REMEMBERED + 2):
         assert shapes.split(body_of([replica(0, ttl_ms=ttl)])) is not None
     assert len(shapes._known) <= MAX_REMEMBERED
@@ -184,7 +202,11 @@ def test_a_split_batch_is_stored_as_the_whole_batch() -> None:
     """Same records, new blocks and refreshes and a second holder of a block: the same
     answers, outcomes and counts."""
     first = [replica(n) for n in range(8)]
-    second = [replica(n, ttl_ms=90_000) for n in range(4, 12)] + [replica(2, holder=H2)]
+    second = [
+        *(replica(n, ttl_ms=90_000) for n in [8, 4, 9, 10, 5, 11, 11, 6]),  # new, held, twice
+        replica(2, holder=H2),
+        replica(3, scope=SCOPE_B),
+    ]
     shapes = RecordShapes()
     limits = IndexLimits(max_ttl_ms=60_000)
     split_table, whole_table = (
@@ -199,7 +221,10 @@ def test_a_split_batch_is_stored_as_the_whole_batch() -> None:
     assert split_table.answer(first[0].compat_id, SCOPE_A, asked) == whole_table.answer(
         first[0].compat_id, SCOPE_A, asked
     )
-    assert split_table.counts_by_scope() == whole_table.counts_by_scope() == {SCOPE_A: 13}
+    assert (
+        split_table.counts_by_scope() == whole_table.counts_by_scope() == {SCOPE_A: 13, SCOPE_B: 1}
+    )
+    assert len(split_table._deadlines) == len(whole_table._deadlines)
 
 
 def test_a_table_that_renders_nothing_stores_the_records() -> None:

@@ -59,6 +59,27 @@ typedef struct {
 
 static PyTypeObject ReplicaType;
 
+/* A new replica with room for `size` octets of packed data (copied by the caller); NULL with
+ * MemoryError set. summary may be NULL (not known yet). */
+static Replica *
+alloc_replica(long long expires_at, PyObject *space, PyObject *holder, PyObject *summary,
+              PyObject *origin, Py_ssize_t size)
+{
+    Replica *self = PyObject_Malloc(offsetof(Replica, data) + (size_t)size);
+    if (self == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    PyObject_Init((PyObject *)self, &ReplicaType);
+    self->expires_at = expires_at;
+    self->space = Py_NewRef(space);
+    self->holder = Py_NewRef(holder);
+    self->summary = Py_XNewRef(summary);
+    self->origin = Py_NewRef(origin);
+    self->size = (uint32_t)size;
+    return self;
+}
+
 /* A payload's packed octets: a bytes object's, or a packed replica's own (a block of one
  * replica is held as that replica, its payload the replica itself). */
 static inline const unsigned char *
@@ -965,7 +986,79 @@ KeyTable_values(KeyTable *self, PyObject *Py_UNUSED(ignored))
     return out;
 }
 
+/* heapq.heappush, which put_run pushes each new replica's deadline with */
+static PyObject *heappush;
+
+/* put_run(identities, start, stop, head, space, holder, expires_at, summary, skeletons,
+ * deadlines) -> stopped: store records start..stop-1 of a split publish batch (index/puts.py:
+ * IDENTITY_OCTETS of identity each, all of one shape and of this table's space) as long as
+ * their blocks are new here: each a replica packed as `head` (its skeleton's number) and its
+ * identity's block key and digest, held as its block, its deadline pushed on the heap
+ * `deadlines`. Answers the first record not stored (stop when all were); the caller stores
+ * that one, and counts those stored (their skeleton's uses, the table's records). */
+static PyObject *
+KeyTable_put_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 10 || !PyBytes_CheckExact(args[0]) || !PyLong_Check(args[1])
+        || !PyLong_Check(args[2]) || !PyBytes_CheckExact(args[3]) || PyBytes_GET_SIZE(args[3]) != 4
+        || !PyUnicode_Check(args[5]) || !PyLong_Check(args[6]) || !PyList_CheckExact(args[9])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "put_run(identities, start, stop, head, space, holder, expires_at, "
+                        "summary, skeletons, deadlines) takes bytes, int, int, 4 octets, "
+                        "tuple, str, int, object, object, list");
+        return NULL;
+    }
+    PyObject *space = args[4], *holder = args[5];
+    PyObject *summary = args[7], *skeletons = args[8], *deadlines = args[9];
+    const unsigned char *head = (const unsigned char *)PyBytes_AS_STRING(args[3]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]), stop = PyLong_AsSsize_t(args[2]);
+    long long expires_at = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (start < 0 || start > stop || stop > PyBytes_GET_SIZE(args[0]) / 112) {
+        PyErr_SetString(PyExc_ValueError, "put_run's records lie outside its identities");
+        return NULL;
+    }
+    const unsigned char *ids = (const unsigned char *)PyBytes_AS_STRING(args[0]);
+    Py_ssize_t i = start;
+    for (; i < stop; i++) {
+        const unsigned char *identity = ids + 112 * i;
+        if ((self->slots == NULL && resize(self, 8) < 0)
+            || ((size_t)(self->used + 1) * 2 > self->mask + 1
+                && resize(self, (self->mask + 1) * 2) < 0)) {
+            return NULL;
+        }
+        uint64_t key[4];
+        memcpy(key, identity + 48, 32);
+        size_t hash = hash_key(key);
+        Slot *slot = find_slot(self->slots, self->mask, key, hash);
+        if (slot->value != NULL) {
+            break; /* a block held already: the caller adds the replica to it */
+        }
+        Replica *replica = alloc_replica(expires_at, space, holder, summary, skeletons, 68);
+        if (replica == NULL) {
+            return NULL;
+        }
+        memcpy(replica->data, head, 4);
+        memcpy(replica->data + 4, identity + 48, 64); /* block key and digest */
+        slot->hash = hash;
+        slot->value = (PyObject *)replica;
+        slot->held = Py_NewRef(replica);
+        self->used++;
+        PyObject *push[2] = {deadlines, (PyObject *)replica};
+        PyObject *pushed = PyObject_Vectorcall(heappush, push, 2, NULL);
+        if (pushed == NULL) {
+            return NULL;
+        }
+        Py_DECREF(pushed);
+    }
+    return PyLong_FromSsize_t(i);
+}
+
 static PyMethodDef KeyTable_methods[] = {
+    {"put_run", (PyCFunction)(void (*)(void))KeyTable_put_run, METH_FASTCALL,
+     "Store a split batch's records of one shape into new blocks; the first not stored."},
     {"get", (PyCFunction)KeyTable_get, METH_O, "The value of a key, or None."},
     {"put", (PyCFunction)(void (*)(void))KeyTable_put, METH_FASTCALL,
      "Set a key's value and payload (bytes or None)."},
@@ -1004,7 +1097,7 @@ static PyTypeObject KeyTableType = {
  * packed octets (and packed_by the Skeletons that packed them) or, unpacked, any object with a
  * block_key (and packed_by None). */
 static PyObject *
-Replica_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+Replica_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"space", "holder", "expires_at", "record", "summary", "packed_by",
                              NULL};
@@ -1025,17 +1118,11 @@ Replica_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "a packed record holds a skeleton number and a key");
         return NULL;
     }
-    Replica *self = PyObject_Malloc(offsetof(Replica, data) + (size_t)size);
+    Replica *self = alloc_replica(expires_at, space, holder, summary == Py_None ? NULL : summary,
+                                  packed ? packed_by : record, size);
     if (self == NULL) {
-        return PyErr_NoMemory();
+        return NULL;
     }
-    PyObject_Init((PyObject *)self, type);
-    self->expires_at = expires_at;
-    self->space = Py_NewRef(space);
-    self->holder = Py_NewRef(holder);
-    self->summary = summary == Py_None ? NULL : Py_NewRef(summary);
-    self->origin = Py_NewRef(packed ? packed_by : record);
-    self->size = (uint32_t)size;
     if (packed) {
         memcpy(self->data, PyBytes_AS_STRING(record), (size_t)size);
     }
@@ -1387,6 +1474,15 @@ PyInit__keytable(void)
         secret[i] = (z ^ (z >> 31)) | 1;
     }
     if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&ReplicaType) < 0) {
+        return NULL;
+    }
+    PyObject *heapq = PyImport_ImportModule("heapq");
+    if (heapq == NULL) {
+        return NULL;
+    }
+    heappush = PyObject_GetAttrString(heapq, "heappush");
+    Py_DECREF(heapq);
+    if (heappush == NULL) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);

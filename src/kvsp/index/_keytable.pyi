@@ -16,6 +16,20 @@ class KeyTable(Generic[_V]):
     def __len__(self) -> int: ...
     def get(self, key: str, /) -> _V | None: ...
     def put(self, key: str, value: _V, payload: bytes | StoredReplica | None, /) -> None: ...
+    def put_run(
+        self,
+        identities: bytes,
+        start: int,
+        stop: int,
+        head: bytes,
+        space: tuple[str, str],
+        holder: str,
+        expires_at: int,
+        summary: ReplicaSummary,
+        skeletons: Skeletons,
+        deadlines: list[StoredReplica],
+        /,
+    ) -> int: ...
     def pop(self, key: str, /) -> _V | None: ...
     def prefix(self, keys: Sequence[str] | bytes, /) -> list[_V]: ...
     def join_prefix(

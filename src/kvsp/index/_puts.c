@@ -6,7 +6,8 @@
  * its identity (Compatibility ID, scope, block key and replica digest, checked and decoded
  * here) and the text of all its other members (its "shape", as written), so the caller
  * validates each distinct shape once, with the full parser, and takes the identities as they
- * are. Equal shapes of consecutive records are one bytes object, whose hash Python keeps.
+ * are. Consecutive records of one shape and one space come as a run: the caller's work is
+ * per run, not per record.
  *
  * Only a plain form is split: an object of `put` (an array of objects) and at most an empty
  * `delete`, member names without escapes, each identity member once, as a string of exactly
@@ -244,37 +245,60 @@ split_record(Cursor *c, unsigned char *identity, unsigned char *shape, Py_ssize_
     return 0;
 }
 
-/* The records of the `put` array at c->p (after its '['), appended to `identities` and
- * `shapes`. */
+/* A run of records is done: (text, count) appended to runs. */
+static int
+end_run(PyObject *runs, PyObject *text, Py_ssize_t count)
+{
+    PyObject *run = Py_BuildValue("(On)", text, count);
+    if (run == NULL || PyList_Append(runs, run) < 0) {
+        Py_XDECREF(run);
+        return -1;
+    }
+    Py_DECREF(run);
+    return 0;
+}
+
+/* The records of the `put` array at c->p (after its '['): their identities appended to
+ * `identities`, and runs of consecutive records of one shape and one space (Compatibility ID
+ * and scope) to `runs`, each (shape text, records); runs of equal text share the object. */
 static int
 split_array(Cursor *c, unsigned char *shape, PyObject **identities, Py_ssize_t *count,
-            PyObject *shapes)
+            PyObject *runs)
 {
     if (c->p < c->end && *c->p == ']') {
         c->p++;
         return 0;
     }
-    PyObject *previous = NULL; /* borrowed from shapes */
+    PyObject *text = NULL; /* owned: the current run's */
+    Py_ssize_t first = 0, length;
     for (;;) {
         Py_ssize_t room = PyBytes_GET_SIZE(*identities);
         if ((*count + 1) * IDENTITY_OCTETS > room && _PyBytes_Resize(identities, 2 * room) < 0) {
-            return -2;
+            goto error;
         }
-        unsigned char *identity = (unsigned char *)PyBytes_AS_STRING(*identities);
-        Py_ssize_t length;
-        if (split_record(c, identity + *count * IDENTITY_OCTETS, shape, &length) < 0) {
+        unsigned char *ids = (unsigned char *)PyBytes_AS_STRING(*identities);
+        unsigned char *identity = ids + *count * IDENTITY_OCTETS;
+        if (split_record(c, identity, shape, &length) < 0) {
+            Py_XDECREF(text);
             return -1;
         }
-        int same = previous != NULL && PyBytes_GET_SIZE(previous) == length
-                   && memcmp(PyBytes_AS_STRING(previous), shape, (size_t)length) == 0;
-        PyObject *item = same ? Py_NewRef(previous)
-                              : PyBytes_FromStringAndSize((const char *)shape, length);
-        if (item == NULL || PyList_Append(shapes, item) < 0) {
-            Py_XDECREF(item);
-            return -2;
+        int same_text = text != NULL && PyBytes_GET_SIZE(text) == length
+                        && memcmp(PyBytes_AS_STRING(text), shape, (size_t)length) == 0;
+        int same_space = text != NULL
+                         && memcmp(identity, ids + first * IDENTITY_OCTETS, 48) == 0;
+        if (!same_text || !same_space) {
+            if (text != NULL && end_run(runs, text, *count - first) < 0) {
+                goto error;
+            }
+            if (!same_text) {
+                Py_XDECREF(text);
+                text = PyBytes_FromStringAndSize((const char *)shape, length);
+                if (text == NULL) {
+                    return -2;
+                }
+            }
+            first = *count;
         }
-        Py_DECREF(item);
-        previous = item;
         ++*count;
         skip_space(c);
         if (c->p < c->end && *c->p == ',') {
@@ -283,16 +307,22 @@ split_array(Cursor *c, unsigned char *shape, PyObject **identities, Py_ssize_t *
         }
         if (c->p < c->end && *c->p == ']') {
             c->p++;
-            return 0;
+            int ended = end_run(runs, text, *count - first);
+            Py_DECREF(text);
+            return ended < 0 ? -2 : 0;
         }
+        Py_DECREF(text);
         return -1;
     }
+error:
+    Py_XDECREF(text);
+    return -2;
 }
 
 /* The top-level object: `put` once, `delete` at most once and empty, nothing else. */
 static int
 split_body(Cursor *c, unsigned char *shape, PyObject **identities, Py_ssize_t *count,
-           PyObject *shapes)
+           PyObject *runs)
 {
     int seen_put = 0, seen_delete = 0, escaped;
     if (take(c, '{') < 0) {
@@ -312,7 +342,7 @@ split_body(Cursor *c, unsigned char *shape, PyObject **identities, Py_ssize_t *c
             if (take(c, '[') < 0) {
                 return -1;
             }
-            int split = split_array(c, shape, identities, count, shapes);
+            int split = split_array(c, shape, identities, count, runs);
             if (split < 0) {
                 return split;
             }
@@ -343,8 +373,9 @@ split_body(Cursor *c, unsigned char *shape, PyObject **identities, Py_ssize_t *c
     return seen_put && c->p == c->end ? 0 : -1;
 }
 
-/* split_puts(body) -> (identities, shapes) | None: for each record of the body's `put`, its
- * identity (IDENTITY_OCTETS a record, one after another) and its shape's JSON text. */
+/* split_puts(body) -> (identities, runs) | None: for each record of the body's `put`, its
+ * identity (IDENTITY_OCTETS a record, one after another), and the runs of records of one shape
+ * and space, each its shape's JSON text and its count of records. */
 static PyObject *
 split_puts(PyObject *Py_UNUSED(module), PyObject *arg)
 {
@@ -352,18 +383,18 @@ split_puts(PyObject *Py_UNUSED(module), PyObject *arg)
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) {
         return NULL;
     }
-    PyObject *result = NULL, *shapes = PyList_New(0);
+    PyObject *result = NULL, *runs = PyList_New(0);
     PyObject *identities = PyBytes_FromStringAndSize(NULL, 64 * IDENTITY_OCTETS);
     unsigned char *shape = PyMem_Malloc((size_t)view.len + 2);
     Py_ssize_t count = 0;
-    if (shapes == NULL || identities == NULL || shape == NULL) {
+    if (runs == NULL || identities == NULL || shape == NULL) {
         if (shape == NULL) {
             PyErr_NoMemory();
         }
         goto done;
     }
     Cursor c = {view.buf, (const unsigned char *)view.buf + view.len};
-    int split = split_body(&c, shape, &identities, &count, shapes);
+    int split = split_body(&c, shape, &identities, &count, runs);
     if (split == -2) {
         goto done;
     }
@@ -372,19 +403,19 @@ split_puts(PyObject *Py_UNUSED(module), PyObject *arg)
         goto done;
     }
     if (_PyBytes_Resize(&identities, count * IDENTITY_OCTETS) == 0) {
-        result = PyTuple_Pack(2, identities, shapes);
+        result = PyTuple_Pack(2, identities, runs);
     }
 done:
     PyMem_Free(shape);
     Py_XDECREF(identities);
-    Py_XDECREF(shapes);
+    Py_XDECREF(runs);
     PyBuffer_Release(&view);
     return result;
 }
 
 static PyMethodDef module_methods[] = {
     {"split_puts", (PyCFunction)split_puts, METH_O,
-     "Each record of a plain publish batch's put: its identity's octets and its shape's text."},
+     "A plain publish batch's records: their identities' octets, runs of one shape and space."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -27,11 +27,13 @@ collector; the fallback, ``SlotsReplica``, a class with slots and the octets as 
 
 from __future__ import annotations
 
+import heapq
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
 from kvsp.index import packed
+from kvsp.index.puts import IDENTITY_OCTETS
 
 if TYPE_CHECKING:
     from kvsp.core.cost import ReplicaSummary
@@ -179,6 +181,31 @@ class DictKeyTable(Generic[V]):
         if payload is not None and packed.block_key_of(payload) != checked:
             raise ValueError("a payload's first record must be of its key")
         self._entries[checked] = (value, payload)
+
+    def put_run(
+        self,
+        identities: bytes,
+        start: int,
+        stop: int,
+        head: bytes,
+        space: tuple[str, str],
+        holder: str,
+        expires_at: int,
+        summary: ReplicaSummary,
+        skeletons: Skeletons,
+        deadlines: list[SlotsReplica],
+        /,
+    ) -> int:
+        for i in range(start, stop):
+            identity = identities[IDENTITY_OCTETS * i : IDENTITY_OCTETS * (i + 1)]
+            key = identity[48:80].hex()
+            if key in self._entries:
+                return i
+            packed = head + identity[48:]
+            replica = SlotsReplica(space, holder, expires_at, packed, summary, skeletons)
+            self._entries[key] = (cast(V, replica), packed)
+            heapq.heappush(deadlines, replica)
+        return stop
 
     def pop(self, key: str, /) -> V | None:
         entry = self._entries.pop(_checked(key), None)

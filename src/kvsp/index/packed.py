@@ -185,6 +185,12 @@ class Skeletons:
         self._uses[number] += 1
         return _NUMBER.pack(number) + key_and_digests
 
+    def add_uses(self, packed: bytes, count: int) -> None:
+        """``count`` more records were packed as ``packed`` was (with its skeleton's number,
+        by ``KeyTable.put_run``)."""
+        (number,) = _NUMBER.unpack_from(packed)
+        self._uses[number] += count
+
     def release(self, packed: bytes) -> None:
         """A record packed by ``pack`` is gone: its skeleton is used once less."""
         (number,) = _NUMBER.unpack_from(packed)

@@ -17,14 +17,14 @@ the body the slow way, which refuses what is wrong with a precise error.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections import Counter
 from dataclasses import dataclass
 
 from kvsp.core.problems import RecordError
 from kvsp.core.records import MAX_BATCH_ENTRIES, ReplicaRecord
 
 
-def _split_nothing(body: bytes, /) -> tuple[bytes, list[bytes]] | None:
+def _split_nothing(body: bytes, /) -> tuple[bytes, list[tuple[bytes, int]]] | None:
     return None
 
 
@@ -40,6 +40,7 @@ __all__ = [
     "MAX_SHAPE_OCTETS",
     "RecordShape",
     "RecordShapes",
+    "Run",
     "SharedPuts",
     "split_puts",
 ]
@@ -83,39 +84,51 @@ def _validated(identity: bytes, text: bytes) -> RecordShape:
 
 
 @dataclass(frozen=True, slots=True)
+class Run:
+    """Consecutive records of a split batch of one shape and one space (Compatibility ID and
+    scope): those from ``start`` to before ``stop``."""
+
+    shape: RecordShape
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, slots=True)
 class SharedPuts:
-    """The records of a split batch: ``identities`` (``IDENTITY_OCTETS`` each) and, for each,
-    its shape (consecutive records of one shape share the object)."""
+    """The records of a split batch: ``identities`` (``IDENTITY_OCTETS`` each), in ``runs``
+    of one shape and space (a holder's batch is one run)."""
 
     identities: bytes
-    shapes: list[RecordShape]
+    runs: list[Run]
 
     def __len__(self) -> int:
-        return len(self.shapes)
+        return len(self.identities) // IDENTITY_OCTETS
 
     def identity(self, index: int) -> bytes:
         return self.identities[IDENTITY_OCTETS * index : IDENTITY_OCTETS * (index + 1)]
 
-    def record(self, index: int) -> ReplicaRecord:
-        """The record as the batch wrote it (made only where a store needs the whole of it)."""
-        shape = self.shapes[index].record
-        return shape.model_copy(update=_identity_members(self.identity(index)))
+    def record(self, shape: RecordShape, index: int) -> ReplicaRecord:
+        """Record ``index`` (of ``shape``) as the batch wrote it, made only where a store
+        needs the whole of it."""
+        return shape.record.model_copy(update=_identity_members(self.identity(index)))
 
     def records(self) -> list[ReplicaRecord]:
-        return [self.record(i) for i in range(len(self))]
+        return [self.record(r.shape, i) for r in self.runs for i in range(r.start, r.stop)]
 
-    def scopes(self) -> Iterator[str]:
-        """Each record's scope, in order."""
-        ids = self.identities
-        return (ids[at + 32 : at + 48].hex() for at in range(0, len(ids), IDENTITY_OCTETS))
+    def scope(self, run: Run) -> str:
+        at = IDENTITY_OCTETS * run.start
+        return self.identities[at + 32 : at + 48].hex()
+
+    def scope_counts(self) -> Counter[str]:
+        """How many records each scope has."""
+        counts: Counter[str] = Counter()
+        for run in self.runs:
+            counts[self.scope(run)] += run.stop - run.start
+        return counts
 
     def holders(self) -> list[tuple[str, str]]:
         """Each distinct scope and publisher, in order (what a batch is authorized by)."""
-        pairs: dict[tuple[bytes, str], None] = {}
-        ids = self.identities
-        for at, shape in zip(range(0, len(ids), IDENTITY_OCTETS), self.shapes, strict=True):
-            pairs[ids[at + 32 : at + 48], shape.publisher] = None
-        return [(scope.hex(), publisher) for scope, publisher in pairs]
+        return list(dict.fromkeys((self.scope(run), run.shape.publisher) for run in self.runs))
 
 
 class RecordShapes:
@@ -129,20 +142,22 @@ class RecordShapes:
         """The batch's records split, each shape validated; None where the body is not split
         or a shape is not valid (the caller's whole parse then says why)."""
         split = split_puts(body)
-        if split is None or len(split[1]) > MAX_BATCH_ENTRIES:
+        if split is None or len(split[0]) > IDENTITY_OCTETS * MAX_BATCH_ENTRIES:
             return None
         identities, texts = split
-        known, shapes, last = self._known, [], None
-        for at, text in zip(range(0, len(identities), IDENTITY_OCTETS), texts, strict=True):
-            if text is not last:  # the splitter makes one object of a run of equal shapes
+        known, runs, start = self._known, [], 0
+        shape: RecordShape | None = None
+        for text, count in texts:
+            if shape is None or text is not shape.text:  # runs of one text share the object
                 if len(text) > MAX_SHAPE_OCTETS:
                     return None
-                found = known.get(text) or self._learn(identities[at : at + IDENTITY_OCTETS], text)
-                if found is None:
+                at = IDENTITY_OCTETS * start
+                shape = known.get(text) or self._learn(identities[at : at + IDENTITY_OCTETS], text)
+                if shape is None:
                     return None
-                last, shape = text, found
-            shapes.append(shape)
-        return SharedPuts(identities, shapes)
+            runs.append(Run(shape, start, start + count))
+            start += count
+        return SharedPuts(identities, runs)
 
     def _learn(self, identity: bytes, text: bytes) -> RecordShape | None:
         try:

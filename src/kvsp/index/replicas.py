@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import heapq
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvsp.core.clock import Clock
@@ -200,54 +201,95 @@ class ReplicaTable:
     def publish_many(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]:
         """Publish a batch atomically: either every record is stored or none is."""
         now = self._room_for(
-            [r.scope_id for r in records],
+            Counter(r.scope_id for r in records),
             lambda: ((r.compat_id, r.scope_id, r.block_key, r.publisher) for r in records),
         )
         return [self._store(record, now) for record in records]
 
     def publish_shared(self, puts: SharedPuts) -> list[PublishOutcome]:
         """``publish_many`` of a split batch's records: each packed from its shape's skeleton
-        and its identity's octets, never made a record (a shape whose skeleton is not shared,
-        or a store that renders nothing, takes them as records)."""
+        and its identity's octets, never made a record, and a run's records with new blocks
+        stored in one call of the key table (a shape whose skeleton is not shared, or a store
+        that renders nothing, takes them as records)."""
         if not self._render:
             return self.publish_many(puts.records())
         now = self._room_for(
-            list(puts.scopes()),
+            puts.scope_counts(),
             lambda: ((r.compat_id, r.scope_id, r.block_key, r.publisher) for r in puts.records()),
         )
-        outcomes, last, last_space, skeletons = [], None, b"", self._skeletons
-        for i, shape in enumerate(puts.shapes):
-            identity = puts.identity(i)
-            if shape is not last:
-                last, (ttl, summary, skeleton) = shape, self._shared(shape)
+        outcomes: list[PublishOutcome] = []
+        for run in puts.runs:
+            ttl, summary, skeleton = self._shared(run.shape)
             if skeleton is None:
-                outcomes.append(self._store(puts.record(i), now))
+                outcomes += (
+                    self._store(puts.record(run.shape, i), now) for i in range(run.start, run.stop)
+                )
                 continue
-            if identity[:48] != last_space:
-                last_space = identity[:48]
-                space = self._space(identity[:32].hex(), identity[32:48].hex())
-            packed = skeletons.packed(skeleton, identity[48:])
-            replica = StoredReplica(space, shape.publisher, now + ttl, packed, summary, skeletons)
-            outcomes.append(self._enter(replica, identity[48:80].hex(), ttl))
+            identity = puts.identity(run.start)
+            space = self._space(identity[:32].hex(), identity[32:48].hex())
+            at = run.start
+            while at < run.stop:  # a record at a time where its block is held already
+                identity = puts.identity(at)
+                packed = self._skeletons.packed(skeleton, identity[48:])
+                first = StoredReplica(
+                    space, run.shape.publisher, now + ttl, packed, summary, self._skeletons
+                )
+                outcomes.append(self._enter(first, identity[48:80].hex(), ttl))
+                at = self._store_run(puts, at + 1, run.stop, first, outcomes)
         return outcomes
 
-    def _room_for(
-        self, scopes: list[str], slots: Callable[[], Iterable[tuple[str, str, str, str]]]
+    def _store_run(
+        self,
+        puts: SharedPuts,
+        start: int,
+        stop: int,
+        first: StoredReplica,
+        outcomes: list[PublishOutcome],
     ) -> int:
-        """``CapacityExhausted`` unless the records fit: the scope of each (``scopes``), and
-        where that is too many, which of their ``slots`` (compat, scope, block key, holder)
-        are new; the clock reading, after expiry, otherwise."""
+        """Records ``start`` to ``stop`` of ``first``'s shape and space, stored as it was while
+        their blocks are new, in one call of the key table (``put_run``); where it stopped."""
+        summary = first.summary
+        assert summary is not None  # a stored replica's summary is the store's
+        head, space = first.packed[:4], first.space
+        stopped = self._spaces[space].put_run(
+            puts.identities,
+            start,
+            stop,
+            head,
+            space,
+            first.holder,
+            first.expires_at,
+            summary,
+            self._skeletons,
+            self._deadlines,
+        )
+        stored = stopped - start
+        if stored:
+            self._skeletons.add_uses(head, stored)
+            self._count += stored
+            self._by_scope[space[1]] += stored
+            outcomes += [PublishOutcome(True, outcomes[-1].ttl_ms)] * stored
+            if len(self._deadlines) > 2 * self._count + 1024:
+                self._compact()
+        return stopped
+
+    def _room_for(
+        self, scopes: Mapping[str, int], slots: Callable[[], Iterable[tuple[str, str, str, str]]]
+    ) -> int:
+        """``CapacityExhausted`` unless the records fit: how many each scope has (``scopes``),
+        and where that is too many, which of their ``slots`` (compat, scope, block key,
+        holder) are new; the clock reading, after expiry, otherwise."""
         now = self.expire()
         held = self._by_scope.get
         try:  # every record new at most: cannot pass a limit
             self._limits.check_room(self._count, scopes, lambda s: held(s, 0))
         except CapacityExhausted:
-            new = set()
-            for compat, scope, block_key, holder in slots():
+            new: Counter[str] = Counter()
+            for compat, scope, block_key, holder in dict.fromkeys(slots()):
                 block = self._block((compat, scope), block_key)
                 if block is None or all(r.holder != holder for r in block.replicas):
-                    new.add((compat, scope, block_key, holder))
-            self._limits.check_room(self._count, (n[1] for n in new), lambda s: held(s, 0))
+                    new[scope] += 1
+            self._limits.check_room(self._count, new, lambda s: held(s, 0))
         return now
 
     def _shared(self, shape: RecordShape) -> tuple[int, ReplicaSummary, bytes | None]:

@@ -3,8 +3,7 @@ how much it holds, pure: checked before any state changes, so a refused request 
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvsp.auth import Principal, Role, authorize
@@ -46,10 +45,11 @@ class IndexLimits:
     max_scope_records: int = 1_000_000
     quotas: Quotas = field(default_factory=Quotas)
 
-    def check_room(self, total: int, new: Iterable[str], held: Callable[[str], int]) -> None:
-        """``CapacityExhausted`` (naming the limit) unless records of the scopes ``new`` (one
-        entry per new record) fit beside ``total`` records, ``held(scope)`` of each scope."""
-        per_scope = Counter(new)
+    def check_room(
+        self, total: int, per_scope: Mapping[str, int], held: Callable[[str], int]
+    ) -> None:
+        """``CapacityExhausted`` (naming the limit) unless ``per_scope[scope]`` new records of
+        each scope fit beside ``total`` records, ``held(scope)`` of each scope."""
         added = sum(per_scope.values())
         if total + added > self.max_records:
             raise CapacityExhausted(

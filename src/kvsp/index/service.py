@@ -208,7 +208,7 @@ class IndexService:
         if puts is None:
             return await self.batch(principal, ReplicaBatch.parse(body))
         authorize_holders(principal, puts.holders())
-        self._check_layers(shape.record for shape in dict.fromkeys(puts.shapes))
+        self._check_layers(shape.record for shape in dict.fromkeys(r.shape for r in puts.runs))
         outcomes = self._counted(await self.store.publish_shared(puts))
         return batch_json([(o.created, o.ttl_ms) for o in outcomes], [])
 

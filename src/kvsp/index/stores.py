@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -328,7 +329,7 @@ class RedisReplicaStore:
             for r, h, e in zip(records, holders, exists, strict=True)
             if not e
         }
-        self._limits.check_room(int(count or 0), (n[1] for n in new), held.__getitem__)
+        self._limits.check_room(int(count or 0), Counter(n[1] for n in new), held.__getitem__)
         pipe = self._redis.pipeline(transaction=False)
         ttls = [min(r.ttl_ms, self._limits.max_ttl_ms) for r in records]
         for record, holder, ttl in zip(records, holders, ttls, strict=True):
