@@ -23,7 +23,7 @@ import heapq
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvsp.core.clock import Clock
 from kvsp.core.cost import ReplicaSummary
@@ -61,8 +61,10 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class PublishOutcome:
+class PublishOutcome(NamedTuple):
+    """A published record's outcome: a tuple, as ``wire.batch_json`` renders it, and one
+    object for a run of like outcomes (``_store_run``)."""
+
     created: bool
     ttl_ms: int
 

@@ -198,7 +198,7 @@ class IndexService:
         authorize_replicas(principal, batch.delete)
         outcomes = await self._publish(batch.put) if batch.put else []
         removed = await self._withdraw(batch.delete) if batch.delete else []
-        return batch_json([(o.created, o.ttl_ms) for o in outcomes], removed)
+        return batch_json(outcomes, removed)
 
     async def batch_body(self, principal: Principal, body: bytes) -> bytes:
         """``batch`` of a request's body: a holder's plain batch of records is split, each
@@ -210,7 +210,7 @@ class IndexService:
         authorize_holders(principal, puts.holders())
         self._check_layers(shape.record for shape in dict.fromkeys(r.shape for r in puts.runs))
         outcomes = self._counted(await self.store.publish_shared(puts))
-        return batch_json([(o.created, o.ttl_ms) for o in outcomes], [])
+        return batch_json(outcomes, [])
 
     async def lookup(self, principal: Principal, query: LookupQuery) -> bytes:
         """The answer's JSON: without estimates to make, straight from the store's ``answer``

@@ -9,6 +9,7 @@ joined by ``,`` + ``]``.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator, Sequence
 from typing import overload
@@ -95,8 +96,12 @@ def published_json(created: bool, ttl_ms: int) -> bytes:
 
 
 def batch_json(published: Sequence[tuple[bool, int]], withdrawn: Sequence[bool]) -> bytes:
-    """``POST replicas``' answer: each put's (created, granted TTL), each delete's outcome."""
-    puts = b",".join(published_json(created, ttl) for created, ttl in published)
+    """``POST replicas``' answer: each put's (created, granted TTL), each delete's outcome.
+    Like outcomes in a row (a holder's batch of new records) are rendered once."""
+    puts = b",".join(
+        b",".join([published_json(*outcome)] * len(list(run)))
+        for outcome, run in itertools.groupby(published)
+    )
     deletes = b",".join(b'{"withdrawn":true}' if w else b'{"withdrawn":false}' for w in withdrawn)
     return b'{"put":[%s],"delete":[%s]}' % (puts, deletes)
 
