@@ -51,14 +51,14 @@ import zmq.asyncio
 from tests.servers import DynamoIndexer, Service
 
 from benchmarks._peers import PEERS, PeerDriver, peer_python, report, versus
-from benchmarks.index_lookup import WRK_SCRIPT, Background, minimal_app
+from benchmarks.index_lookup import DEV, WRK_SCRIPT, Background, minimal_app
 from kvsp.core.clock import SystemClock
 from kvsp.core.ids import parse_compat_id
 from kvsp.core.keys import block_keys
-from kvsp.core.records import ReplicaBatch
 from kvsp.index.client import IndexClient, batch_body
-from kvsp.index.replicas import ReplicaTable
 from kvsp.index.rules import IndexLimits
+from kvsp.index.service import IndexService
+from kvsp.index.stores import MemoryReplicaStore
 from kvsp.kvevents.ingest import BATCH_RECORDS, PodEndpoint, PodStream
 from kvsp.kvevents.pods import PodChanges, PodIndex, PodSource
 from kvsp.kvevents.wire import decode_batch
@@ -192,23 +192,29 @@ class Peers:
         )  # fmt: skip
 
     def store_rate(self, batches: list[Any]) -> float:
-        """Records/s the IS's ``POST replicas`` parses and stores in this process, for the
-        records ``kvsp index ingest`` writes for every chain (rendered as it renders them, in
-        its writes of ``BATCH_RECORDS``): what the IS spends per record, without HTTP or the
-        ingest's own work."""
+        """Records/s the IS's ``POST replicas`` takes in this process (``IndexService.batch_body``,
+        as its route calls it), for the records ``kvsp index ingest`` writes for every chain
+        (rendered as it renders them, in its writes of ``BATCH_RECORDS``): what the IS spends
+        per record, without HTTP or the ingest's own work."""
         tune_collector()
         pod, encoder = PodIndex(self.pod_source()), msgspec.msgpack.Encoder()
         limits = IndexLimits(max_records=4 * BLOCKS, max_scope_records=4 * BLOCKS)
-        table, elapsed, per_write = ReplicaTable(SystemClock(), limits), 0.0, BATCH_RECORDS // CHAIN
-        for first in range(0, len(batches), per_write):
-            changes = PodChanges()
-            for batch in batches[first : first + per_write]:
-                pod.apply(decode_batch(encoder.encode(batch)), changes)
-            body = batch_body([pod.record_json(b, tiers) for b, tiers in changes.put.items()])
-            start = time.perf_counter()
-            table.publish_many(ReplicaBatch.parse(body).put)
-            elapsed += time.perf_counter() - start
-        return BLOCKS / elapsed
+        service = IndexService(MemoryReplicaStore(SystemClock(), limits))
+        per_write = BATCH_RECORDS // CHAIN
+
+        async def publish_all() -> float:
+            elapsed = 0.0
+            for first in range(0, len(batches), per_write):
+                changes = PodChanges()
+                for batch in batches[first : first + per_write]:
+                    pod.apply(decode_batch(encoder.encode(batch)), changes)
+                body = batch_body([pod.record_json(b, tiers) for b, tiers in changes.put.items()])
+                start = time.perf_counter()
+                await service.batch_body(DEV, body)
+                elapsed += time.perf_counter() - start
+            return BLOCKS / elapsed
+
+        return asyncio.run(publish_all())
 
     def dynamo_matched(self, query: dict[str, Any]) -> int:
         """Blocks of the query Dynamo's indexer says worker 1 holds."""

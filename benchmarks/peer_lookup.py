@@ -14,7 +14,7 @@ Also printed: ingest (blocks per second applied) and resident memory per block: 
 records at the 1,000,000 Dynamo holds (at 100,000 the loader's transient objects, freed but
 interleaved with the stored ones in the allocator's pools, add about 11 MB, a third more per
 record; decision 0026), records with 30 layer digests at 100,000 (their cost is the records'
-own, the same at any count).
+own, the same at any count), each load in a process of its own.
 
 Targets: lookups >= 1.0 of Dynamo's, full and half hits, idle and busy; memory <= 256 octets
 per whole-block record and <= 1,300 with 30 layer digests; ingest >= 1.0 of Dynamo's.
@@ -25,7 +25,6 @@ Needs ``make peer-deps`` (``make bench-peers`` runs it).
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import random
 import subprocess
@@ -79,24 +78,24 @@ def prompt_blocks(hit: str) -> list[list[int]]:
 def kvsp_ingest(service: IndexService) -> float:
     """Blocks per second published into ``service``: a prompt's 64 records a ``POST
     replicas`` body, as a holder sends it, handed to the service as its route does (JSON in,
-    as Dynamo's ``apply_event`` takes its events). Each body is written just before it is
-    published and only the publish is timed, so a million records' text is never held at
-    once."""
+    as Dynamo's ``apply_event`` takes its events). The bodies are written beforehand, as
+    Dynamo's events are, so only the publishes are timed."""
     base = template(layer_digests=False)
+    bodies = [
+        batch_body(
+            [
+                r.model_dump_json(exclude_none=True).encode()
+                for r in records(first, first + CHAIN, base)
+            ]
+        )
+        for first in range(0, BLOCKS, CHAIN)
+    ]
 
     async def publish_all() -> float:
-        seconds = 0.0
-        for first in range(0, BLOCKS, CHAIN):
-            body = batch_body(
-                [
-                    r.model_dump_json(exclude_none=True).encode()
-                    for r in records(first, first + CHAIN, base)
-                ]
-            )
-            start = time.perf_counter()
+        start = time.perf_counter()
+        for body in bodies:
             await service.batch_body(DEV, body)
-            seconds += time.perf_counter() - start
-        return BLOCKS / seconds
+        return BLOCKS / (time.perf_counter() - start)
 
     return asyncio.run(publish_all())
 
@@ -139,17 +138,35 @@ async def hit_rounds(
     return {"matched_blocks": ours, **versus(figures["kvsp"], figures["dynamo"], names)}
 
 
-def main() -> None:
-    tune_collector()  # as every kvsp service runs
-    with_digests = MemoryReplicaStore(SystemClock(), LIMITS)
-    per_record_digests = load_memory(with_digests, 100_000, template(layer_digests=True))
-    del with_digests
-    gc.collect()
-    store = MemoryReplicaStore(SystemClock(), LIMITS)
-    per_record = load_memory(store, BLOCKS, template(layer_digests=False))
-    del store
-    gc.collect()
+def memory_per_record(count: int, layer_digests: bool) -> float:
+    """Resident octets per record of ``count`` records loaded into a store, measured in a
+    process of its own: in this one, the freed memory of a load slowed the ingest measured
+    after it by a third (its allocations scattered over the freed pools), and an ingest's
+    freed bodies would make a later load look smaller."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from benchmarks import peer_lookup as p; "
+        "print(p.memory_here(int(sys.argv[2]), sys.argv[3] == 'digests'))"
+    )
+    root = str(Path(__file__).resolve().parent.parent)
+    kind = "digests" if layer_digests else "plain"
+    done = subprocess.run(
+        [sys.executable, "-c", code, root, str(count), kind],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(done.stdout)
 
+
+def memory_here(count: int, layer_digests: bool) -> float:
+    tune_collector()  # as every kvsp service runs
+    return load_memory(MemoryReplicaStore(SystemClock(), LIMITS), count, template(layer_digests))
+
+
+def main() -> None:
+    per_record_digests = memory_per_record(100_000, layer_digests=True)
+    per_record = memory_per_record(BLOCKS, layer_digests=False)
+    tune_collector()  # as every kvsp service runs
     service = IndexService(MemoryReplicaStore(SystemClock(), LIMITS))
     ingest = kvsp_ingest(service)
     with PeerDriver("dynamo", "dynamo_radix") as dynamo:

@@ -172,6 +172,13 @@ class Skeletons:
 
     def packed(self, skeleton: bytes, key_and_digests: bytes) -> bytes:
         """A record of ``skeleton`` packed from its block key's and digests' octets."""
+        head = self.head(skeleton)
+        self.add_uses(head, 1)
+        return head + key_and_digests
+
+    def head(self, skeleton: bytes) -> bytes:
+        """What a record of ``skeleton`` is packed after: its number, the skeleton listed
+        (each record packed with it counts itself a use: ``add_uses``)."""
         number = self._number.get(skeleton)
         if number is None:
             if self._free:
@@ -182,12 +189,11 @@ class Skeletons:
                 self.listed.append(skeleton)
                 self._uses.append(0)
             self._number[skeleton] = number
-        self._uses[number] += 1
-        return _NUMBER.pack(number) + key_and_digests
+        return _NUMBER.pack(number)
 
     def add_uses(self, packed: bytes, count: int) -> None:
-        """``count`` more records were packed as ``packed`` was (with its skeleton's number,
-        by ``KeyTable.put_run``)."""
+        """``count`` more records were packed as ``packed`` was, after its skeleton's ``head``
+        (by ``KeyTable.put_run``, or one by one)."""
         (number,) = _NUMBER.unpack_from(packed)
         self._uses[number] += count
 

@@ -220,60 +220,52 @@ class ReplicaTable:
             lambda: ((r.compat_id, r.scope_id, r.block_key, r.publisher) for r in puts.records()),
         )
         outcomes: list[PublishOutcome] = []
+        skeletons = self._skeletons
         for run in puts.runs:
             ttl, summary, skeleton = self._shared(run.shape)
             if skeleton is None:
-                outcomes += (
-                    self._store(puts.record(run.shape, i), now) for i in range(run.start, run.stop)
-                )
+                records = (puts.record(run.shape, i) for i in range(run.start, run.stop))
+                outcomes += (self._store(record, now) for record in records)
                 continue
             identity = puts.identity(run.start)
             space = self._space(identity[:32].hex(), identity[32:48].hex())
-            at = run.start
-            while at < run.stop:  # a record at a time where its block is held already
-                identity = puts.identity(at)
-                packed = self._skeletons.packed(skeleton, identity[48:])
-                first = StoredReplica(
-                    space, run.shape.publisher, now + ttl, packed, summary, self._skeletons
+            blocks, head = self._blocks(space), skeletons.head(skeleton)
+            holder, expires_at, at = run.shape.publisher, now + ttl, run.start
+            while True:  # the records whose blocks are new in one call, the others one by one
+                stopped = blocks.put_run(
+                    puts.identities,
+                    at,
+                    run.stop,
+                    head,
+                    space,
+                    holder,
+                    expires_at,
+                    summary,
+                    skeletons,
+                    self._deadlines,
                 )
-                outcomes.append(self._enter(first, identity[48:80].hex(), ttl))
-                at = self._store_run(puts, at + 1, run.stop, first, outcomes)
+                self._stored_new(space[1], head, stopped - at, ttl, outcomes)
+                if stopped == run.stop:
+                    break
+                identity = puts.identity(stopped)
+                skeletons.add_uses(head, 1)
+                packed = head + identity[48:]
+                replica = StoredReplica(space, holder, expires_at, packed, summary, skeletons)
+                outcomes.append(self._enter(replica, identity[48:80].hex(), ttl))
+                at = stopped + 1
         return outcomes
 
-    def _store_run(
-        self,
-        puts: SharedPuts,
-        start: int,
-        stop: int,
-        first: StoredReplica,
-        outcomes: list[PublishOutcome],
-    ) -> int:
-        """Records ``start`` to ``stop`` of ``first``'s shape and space, stored as it was while
-        their blocks are new, in one call of the key table (``put_run``); where it stopped."""
-        summary = first.summary
-        assert summary is not None  # a stored replica's summary is the store's
-        head, space = first.packed[:4], first.space
-        stopped = self._spaces[space].put_run(
-            puts.identities,
-            start,
-            stop,
-            head,
-            space,
-            first.holder,
-            first.expires_at,
-            summary,
-            self._skeletons,
-            self._deadlines,
-        )
-        stored = stopped - start
+    def _stored_new(
+        self, scope: str, head: bytes, stored: int, ttl: int, outcomes: list[PublishOutcome]
+    ) -> None:
+        """``stored`` records of skeleton ``head`` were stored as new blocks (``put_run``)."""
         if stored:
             self._skeletons.add_uses(head, stored)
             self._count += stored
-            self._by_scope[space[1]] += stored
-            outcomes += [PublishOutcome(True, outcomes[-1].ttl_ms)] * stored
+            self._by_scope[scope] = self._by_scope.get(scope, 0) + stored
+            outcomes += [PublishOutcome(True, ttl)] * stored
             if len(self._deadlines) > 2 * self._count + 1024:
                 self._compact()
-        return stopped
 
     def _room_for(
         self, scopes: Mapping[str, int], slots: Callable[[], Iterable[tuple[str, str, str, str]]]
@@ -326,14 +318,19 @@ class ReplicaTable:
             replica = StoredReplica(space, holder, now + ttl, unrendered, summary)
         return self._enter(replica, record.block_key, ttl)
 
-    def _enter(self, replica: StoredReplica, block_key: str, ttl: int) -> PublishOutcome:
-        """Hold the replica for its block in its space: a new block's one, or in place of its
-        holder's earlier one."""
-        space = replica.space
+    def _blocks(self, space: Space) -> KeyTable[Block]:
+        """The key table of the space's blocks, made for its first."""
         blocks = self._spaces.get(space)
         if blocks is None:
             blocks = self._spaces[space] = KeyTable(identity_middle(space), self._skeletons.listed)
             untrack(blocks)
+        return blocks
+
+    def _enter(self, replica: StoredReplica, block_key: str, ttl: int) -> PublishOutcome:
+        """Hold the replica for its block in its space: a new block's one, or in place of its
+        holder's earlier one."""
+        space = replica.space
+        blocks = self._blocks(space)
         held = blocks.get(block_key)
         if held is None:  # most publishes: a new block, held as its one replica
             replicas: tuple[StoredReplica, ...] = (replica,)
