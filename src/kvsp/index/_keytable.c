@@ -1021,17 +1021,32 @@ KeyTable_put_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     const unsigned char *ids = (const unsigned char *)PyBytes_AS_STRING(args[0]);
+    /* room for every record first, so the slots stay where they are while a batch of them is
+     * hashed and its slots prefetched (their accesses overlap, as a lookup's probes do) */
+    if (self->slots == NULL && resize(self, 8) < 0) {
+        return NULL;
+    }
+    while ((size_t)(self->used + (stop - start)) * 2 > self->mask + 1) {
+        if (resize(self, (self->mask + 1) * 2) < 0) {
+            return NULL;
+        }
+    }
+    size_t hashes[BATCH];
     Py_ssize_t i = start;
     for (; i < stop; i++) {
         const unsigned char *identity = ids + 112 * i;
-        if ((self->slots == NULL && resize(self, 8) < 0)
-            || ((size_t)(self->used + 1) * 2 > self->mask + 1
-                && resize(self, (self->mask + 1) * 2) < 0)) {
-            return NULL;
+        Py_ssize_t in_batch = (i - start) % BATCH;
+        if (in_batch == 0) {
+            for (Py_ssize_t k = 0; k < BATCH && i + k < stop; k++) {
+                uint64_t ahead[4];
+                memcpy(ahead, identity + 112 * k + 48, 32);
+                hashes[k] = hash_key(ahead);
+                __builtin_prefetch(&self->slots[hashes[k] & self->mask], 1);
+            }
         }
         uint64_t key[4];
         memcpy(key, identity + 48, 32);
-        size_t hash = hash_key(key);
+        size_t hash = hashes[in_batch];
         Slot *slot = find_slot(self->slots, self->mask, key, hash);
         if (slot->value != NULL) {
             break; /* a block held already: the caller adds the replica to it */
