@@ -55,6 +55,24 @@ take(Cursor *c, unsigned char expected)
     return 0;
 }
 
+/* After an object's member or an array's element: 1 at a comma (another follows), 0 at the
+ * `closer` (past it), -1 at anything else. */
+static int
+next_item(Cursor *c, unsigned char closer)
+{
+    skip_space(c);
+    if (c->p < c->end && *c->p == ',') {
+        c->p++;
+        skip_space(c);
+        return 1;
+    }
+    if (c->p < c->end && *c->p == closer) {
+        c->p++;
+        return 0;
+    }
+    return -1;
+}
+
 /* A string at c->p; after it on success. *escaped says whether it holds a backslash. */
 static int
 skip_string(Cursor *c, int *escaped)
@@ -225,17 +243,13 @@ split_record(Cursor *c, unsigned char *identity, unsigned char *shape, Py_ssize_
             memcpy(shape + at, name, (size_t)(c->p - name));
             at += c->p - name;
         }
-        skip_space(c);
-        if (c->p < c->end && *c->p == ',') {
-            c->p++;
-            skip_space(c);
-            continue;
+        int more = next_item(c, '}');
+        if (more < 0) {
+            return -1;
         }
-        if (c->p < c->end && *c->p == '}') {
-            c->p++;
+        if (!more) {
             break;
         }
-        return -1;
     }
     if (seen != (1u << MEMBERS) - 1) {
         return -1;
@@ -300,19 +314,16 @@ split_array(Cursor *c, unsigned char *shape, PyObject **identities, Py_ssize_t *
             first = *count;
         }
         ++*count;
-        skip_space(c);
-        if (c->p < c->end && *c->p == ',') {
-            c->p++;
-            continue;
-        }
-        if (c->p < c->end && *c->p == ']') {
-            c->p++;
+        int more = next_item(c, ']');
+        if (more == 0) {
             int ended = end_run(runs, text, *count - first);
             Py_DECREF(text);
             return ended < 0 ? -2 : 0;
         }
-        Py_DECREF(text);
-        return -1;
+        if (more < 0) {
+            Py_DECREF(text);
+            return -1;
+        }
     }
 error:
     Py_XDECREF(text);
@@ -357,17 +368,13 @@ split_body(Cursor *c, unsigned char *shape, PyObject **identities, Py_ssize_t *c
         else {
             return -1;
         }
-        skip_space(c);
-        if (c->p < c->end && *c->p == ',') {
-            c->p++;
-            skip_space(c);
-            continue;
+        int more = next_item(c, '}');
+        if (more < 0) {
+            return -1;
         }
-        if (c->p < c->end && *c->p == '}') {
-            c->p++;
+        if (!more) {
             break;
         }
-        return -1;
     }
     skip_space(c);
     return seen_put && c->p == c->end ? 0 : -1;
