@@ -10,8 +10,8 @@ an identity as a whole ``ReplicaRecord``: no check of a record ties its identity
 the shape is valid for every identity. ``RecordShapes`` remembers the shapes it validated, so a
 holder's next batches parse none. Without the compiled splitter, or for any body it does not
 split (an escape, a ``delete``, a record with layer digests, a shape longer than
-``MAX_SHAPE_OCTETS``, anything malformed), callers parse
-the body the slow way, which refuses what is wrong with a precise error.
+``MAX_SHAPE_OCTETS``, anything malformed), callers parse the body the slow way, which refuses
+what is wrong with a precise error.
 """
 
 from __future__ import annotations

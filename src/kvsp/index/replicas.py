@@ -63,7 +63,7 @@ __all__ = [
 
 class PublishOutcome(NamedTuple):
     """A published record's outcome: a tuple, as ``wire.batch_json`` renders it, and one
-    object for a run of like outcomes (``_store_run``)."""
+    object for a run of like outcomes (``_stored_new``)."""
 
     created: bool
     ttl_ms: int
@@ -202,10 +202,7 @@ class ReplicaTable:
 
     def publish_many(self, records: Sequence[ReplicaRecord]) -> list[PublishOutcome]:
         """Publish a batch atomically: either every record is stored or none is."""
-        now = self._room_for(
-            Counter(r.scope_id for r in records),
-            lambda: ((r.compat_id, r.scope_id, r.block_key, r.publisher) for r in records),
-        )
+        now = self._room_for(Counter(r.scope_id for r in records), lambda: records)
         return [self._store(record, now) for record in records]
 
     def publish_shared(self, puts: SharedPuts) -> list[PublishOutcome]:
@@ -215,10 +212,7 @@ class ReplicaTable:
         that renders nothing, takes them as records)."""
         if not self._render:
             return self.publish_many(puts.records())
-        now = self._room_for(
-            puts.scope_counts(),
-            lambda: ((r.compat_id, r.scope_id, r.block_key, r.publisher) for r in puts.records()),
-        )
+        now = self._room_for(puts.scope_counts(), puts.records)
         outcomes: list[PublishOutcome] = []
         skeletons = self._skeletons
         for run in puts.runs:
@@ -261,25 +255,23 @@ class ReplicaTable:
         """``stored`` records of skeleton ``head`` were stored as new blocks (``put_run``)."""
         if stored:
             self._skeletons.add_uses(head, stored)
-            self._count += stored
-            self._by_scope[scope] = self._by_scope.get(scope, 0) + stored
             outcomes += [PublishOutcome(True, ttl)] * stored
-            if len(self._deadlines) > 2 * self._count + 1024:
-                self._compact()
+            self._added(scope, stored)
 
     def _room_for(
-        self, scopes: Mapping[str, int], slots: Callable[[], Iterable[tuple[str, str, str, str]]]
+        self, scopes: Mapping[str, int], records: Callable[[], Iterable[ReplicaRecord]]
     ) -> int:
         """``CapacityExhausted`` unless the records fit: how many each scope has (``scopes``),
-        and where that is too many, which of their ``slots`` (compat, scope, block key,
-        holder) are new; the clock reading, after expiry, otherwise."""
+        and where that is too many, which of the ``records`` are new (a holder's first of its
+        block); the clock reading, after expiry, otherwise."""
         now = self.expire()
         held = self._by_scope.get
         try:  # every record new at most: cannot pass a limit
             self._limits.check_room(self._count, scopes, lambda s: held(s, 0))
         except CapacityExhausted:
             new: Counter[str] = Counter()
-            for compat, scope, block_key, holder in dict.fromkeys(slots()):
+            slots = ((r.compat_id, r.scope_id, r.block_key, r.publisher) for r in records())
+            for compat, scope, block_key, holder in dict.fromkeys(slots):
                 block = self._block((compat, scope), block_key)
                 if block is None or all(r.holder != holder for r in block.replicas):
                     new[scope] += 1
@@ -343,13 +335,17 @@ class ReplicaTable:
             replicas, created = block.replicas, replaced is None
         self._set(blocks, block_key, replicas)
         heapq.heappush(self._deadlines, replica)
+        self._added(space[1], int(created))
+        return PublishOutcome(created, ttl)
+
+    def _added(self, scope: str, created: int) -> None:
+        """Deadlines were pushed and ``created`` records of ``scope`` are new: counted, and
+        the heap compacted once its stale entries outnumber the live ones."""
         if created:
-            self._count += 1
-            scope = space[1]
-            self._by_scope[scope] = self._by_scope.get(scope, 0) + 1
+            self._count += created
+            self._by_scope[scope] = self._by_scope.get(scope, 0) + created
         if len(self._deadlines) > 2 * self._count + 1024:
             self._compact()
-        return PublishOutcome(created, ttl)
 
     def _summary(self, record: ReplicaRecord, shape: Shape) -> ReplicaSummary:
         """The cost summary of records of ``shape``, built once and shared by equal ones; the
