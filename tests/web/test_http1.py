@@ -20,6 +20,7 @@ from starlette.routing import Route
 from kvsp.core.problems import InvalidInput, PeerTimeout, PeerUnreachable
 from kvsp.core.problems import PeerAnswerTooLarge as BodyTooLarge
 from kvsp.core.problems import PeerProtocolError as ProtocolError
+from kvsp.web import http1
 from kvsp.web.http1 import ChunkedDecoder, Http1Client, ResponseHead, ResponseReader, parse_head
 from tests.servers import free_port, serving
 
@@ -415,6 +416,33 @@ async def test_an_idempotent_request_is_sent_again_when_a_kept_connection_was_cl
                 pass
         await client.aclose()
     assert server.connections == 2
+
+
+@pytest.mark.anyio
+async def test_a_connection_idle_past_its_expiry_is_not_reused_so_a_post_survives_its_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The peer ends a kept connection at its next request (as a service closing an idle one
+    at that moment would): a POST, never sent twice, gets through because it goes on a new
+    connection once the kept one has been idle for the expiry."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        await reader.readuntil(b"\r\n\r\n")
+
+    monkeypatch.setattr(http1, "KEEPALIVE_EXPIRY_S", 0.05)
+    server = Canned(handler)
+    async with server.running() as url:
+        client = Http1Client()
+        for _ in range(2):
+            async with client.request("POST", url, body=[b"{}"]) as response:
+                assert await response.read(10) == b"ok"
+            await asyncio.sleep(0.1)
+        await client.aclose()
+    assert server.connections == 2
+    assert len(server.requests) == 2
 
 
 @pytest.mark.anyio

@@ -74,7 +74,8 @@ class Reason(StrEnum):
     PIN_LIMIT = "pin-limit"
     #: no room that is not protected
     NO_ROOM = "no-room"
-    #: the share destination (or the instance) did not take it
+    #: the share destination (or the instance, or its holder) could not be asked or did not
+    #: take it
     UNREACHABLE = "unreachable"
     INVALID = "invalid"
     NOT_IMPLEMENTED = "not-implemented"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import re
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from kvsp.core.problems import (
     PeerUnreachable,
 )
 from kvsp.core.validation import decimal
+from kvsp.web.client import KEEPALIVE_EXPIRY_S
 from kvsp.web.context import outgoing_headers
 
 __all__ = [
@@ -621,7 +623,9 @@ def unix_socket(path: str) -> Transport:
 
 class Http1Client:
     """Keep-alive connection pools per origin (scheme, host, port), at most ``connections``
-    open to each; requests beyond that wait for a connection to come free."""
+    open to each; requests beyond that wait for a connection to come free. A connection idle
+    for ``KEEPALIVE_EXPIRY_S`` is closed instead of reused: kvsp's services close theirs after
+    5 s, and a request sent as the peer closes fails, which only an idempotent one survives."""
 
     def __init__(
         self,
@@ -634,14 +638,15 @@ class Http1Client:
         self._transport = transport or tcp
         _check_fields(headers or {})
         self._headers = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        self._idle: dict[Origin, list[_Connection]] = {}
+        #: per origin, the idle connections and when each went idle (monotonic), oldest first
+        self._idle: dict[Origin, list[tuple[_Connection, float]]] = {}
         self._slots: dict[Origin, asyncio.Semaphore] = {}
         self._busy: set[_Connection] = set()
         self._tls: ssl.SSLContext | None = None
 
     async def aclose(self) -> None:
         for pool in self._idle.values():
-            for connection in pool:
+            for connection, _ in pool:
                 connection.close()
         self._idle.clear()
         for connection in self._busy:
@@ -665,9 +670,14 @@ class Http1Client:
 
     def _idle_connection(self, origin: Origin) -> _Connection | None:
         pool = self._idle.get(origin, [])
+        fresh_since = time.monotonic() - KEEPALIVE_EXPIRY_S
         while pool:
-            connection = pool.pop()
-            if not connection.closed:
+            connection, idle_since = pool.pop()
+            if idle_since < fresh_since:  # this one and every older one have expired
+                for expired, _ in (*pool, (connection, idle_since)):
+                    expired.close()
+                pool.clear()
+            elif not connection.closed:
                 return connection
         return None
 
@@ -723,7 +733,7 @@ class Http1Client:
             finally:
                 self._busy.discard(connection)
             if connection.reusable:
-                self._idle.setdefault(origin, []).append(connection)
+                self._idle.setdefault(origin, []).append((connection, time.monotonic()))
             else:
                 connection.close()
 

@@ -496,5 +496,7 @@ async def test_a_stock_vllm_runs_the_hints_its_requests_carry_against_its_pages_
     # Dynamo's bridge field: the same envelope, the same executor
     assert bridged["kv_transfer_params"]["kvsp"]["kv_hints"]["actions"] == 1
     [leased] = hint_outcomes(log, dynamo)
-    assert (leased["outcome"], leased["code"], leased["blocks"]) == ("clipped", "engine-g1", 2)
+    assert (leased["outcome"], leased["code"], leased["blocks"]) == ("clipped", "engine-g1", 2), (
+        leased
+    )
     assert "kv_hints" not in served["kv_transfer_params"]["kvsp"]

@@ -51,7 +51,7 @@ from kvsp.core.hints import (
     read_action,
     rejection,
 )
-from kvsp.core.problems import KvspError, LeaseQuotaExceeded
+from kvsp.core.problems import KvspError, LeaseQuotaExceeded, ServiceUnavailable
 from kvsp.core.records import LeaseRequest, LookupRequest, ReplicaRecord
 from kvsp.holder.blocks import BlockId
 from kvsp.holder.client import HolderClient
@@ -227,7 +227,7 @@ class ConnectorHints:
                 yield block, await self.holders.get(held[block])
             except KvspError as exc:
                 outcome.missing.append(block[2])
-                outcome.note("clipped", Reason.NOT_HELD, f"{block[2]}: {exc.detail}")
+                outcome.note("clipped", _reason(exc), f"{block[2]}: {exc.detail}")
 
     async def _lease(
         self, outcome: HintOutcome, blocks: Sequence[BlockId], payload: HintPayload
@@ -247,14 +247,20 @@ class ConnectorHints:
                 said: Outcome = "clipped" if outcome.blocks else "rejected"
                 outcome.note(said, Reason.PIN_LIMIT, exc.detail)
                 return
-            except KvspError as exc:  # a block went meanwhile: the lease is all or nothing
+            except KvspError as exc:  # the lease is all or nothing
                 said = "clipped" if outcome.blocks else "deferred"
-                outcome.note(said, Reason.NOT_HELD, exc.detail)
+                outcome.note(said, _reason(exc), exc.detail)
                 return
             outcome.blocks += len(keys)
             outcome.ttl_ms = grant.ttl_ms
             if grant.ttl_ms < ttl:
                 outcome.note("clipped", Reason.OVER_LIMITS, f"the holder granted {grant.ttl_ms} ms")
+
+
+def _reason(exc: KvspError) -> Reason:
+    """Why the holder did not act on a block: it could not be asked (``unreachable``: worth
+    sending again), or it no longer holds the block (it went meanwhile)."""
+    return Reason.UNREACHABLE if isinstance(exc, ServiceUnavailable) else Reason.NOT_HELD
 
 
 def _copied(block: BlockId, octets: int) -> None:
