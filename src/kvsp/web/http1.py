@@ -673,12 +673,9 @@ class Http1Client:
         fresh_since = time.monotonic() - KEEPALIVE_EXPIRY_S
         while pool:
             connection, idle_since = pool.pop()
-            if idle_since < fresh_since:  # this one and every older one have expired
-                for expired, _ in (*pool, (connection, idle_since)):
-                    expired.close()
-                pool.clear()
-            elif not connection.closed:
+            if idle_since >= fresh_since and not connection.closed:
                 return connection
+            connection.close()
         return None
 
     @asynccontextmanager
